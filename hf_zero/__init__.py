@@ -1,0 +1,41 @@
+"""hf_zero: ZeRO stages 0-3 for the Hugging Face Trainer from a DeepSpeed config, no DeepSpeed needed.
+
+Public API::
+
+    import hf_zero
+    cfg = hf_zero.load_config("ds_config.json", training_args=args, model=model)
+    engine = hf_zero.initialize(model, "ds_config.json", training_args=args)
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+
+__all__ = ["ZeroConfig", "ZeroConfigError", "ZeroEngine", "initialize", "load_config", "__version__"]
+
+# Lazy attributes keep `import hf_zero` (and `hf-zero config check`) fast: no torch import until needed.
+_LAZY = {
+    "ZeroConfig": ("hf_zero.config.schema", "ZeroConfig"),
+    "ZeroConfigError": ("hf_zero.config.errors", "ZeroConfigError"),
+    "load_config": ("hf_zero.config", "load_config"),
+    "ZeroEngine": ("hf_zero.engine.engine", "ZeroEngine"),
+    "initialize": ("hf_zero.engine.initialize", "initialize"),
+}
+
+if TYPE_CHECKING:
+    from hf_zero.config import load_config
+    from hf_zero.config.errors import ZeroConfigError
+    from hf_zero.config.schema import ZeroConfig
+    from hf_zero.engine.engine import ZeroEngine
+    from hf_zero.engine.initialize import initialize
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        module, attr = _LAZY[name]
+        return getattr(importlib.import_module(module), attr)
+    raise AttributeError(f"module 'hf_zero' has no attribute {name!r}")

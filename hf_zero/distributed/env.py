@@ -1,0 +1,83 @@
+"""The one place that creates process groups and reads the launcher's environment.
+
+Under torchrun (``RANK``/``WORLD_SIZE``/``LOCAL_RANK`` set) the group is created from the
+environment; with none of those set (a notebook, a plain ``python train.py``) a one-process group is
+created on an in-memory store, so the user never sets ``MASTER_ADDR``/``MASTER_PORT``. An existing
+group (the Trainer's, or the user's) is always reused.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["DistEnv", "init_distributed", "launched_by_torchrun"]
+
+
+@dataclass(frozen=True, slots=True)
+class DistEnv:
+    """Where this process sits: rank, world size, and the device and backend it uses."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    backend: str
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def launched_by_torchrun() -> bool:
+    """True when a launcher (torchrun, ``hf-zero run``, accelerate) set the rendezvous variables."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def _pick_device(local_rank: int) -> torch.device:
+    if torch.cuda.is_available():
+        torch.cuda.set_device(local_rank % torch.cuda.device_count())
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def init_distributed(timeout_s: float = 1800.0) -> DistEnv:
+    """Return this process's :class:`DistEnv`, creating the default process group if needed.
+
+    Uses NCCL when CUDA is available and gloo otherwise. Safe to call many times.
+
+    Example::
+
+        >>> env = init_distributed()          # in a notebook: world_size 1, no env vars needed
+        >>> env.world_size, env.backend
+        (1, 'gloo')
+    """
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if not dist.is_initialized():
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        device = _pick_device(local_rank)
+        timeout = timedelta(seconds=timeout_s)
+        if launched_by_torchrun():
+            kwargs = {"device_id": device} if device.type == "cuda" else {}
+            dist.init_process_group(backend=backend, timeout=timeout, **kwargs)
+        else:
+            # One process: an in-memory store needs no address, no port and no firewall.
+            dist.init_process_group(
+                backend=backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout
+            )
+    else:
+        backend = dist.get_backend()
+        device = _pick_device(local_rank) if backend != "gloo" else torch.device("cpu")
+        if backend != "gloo" and device.type != "cuda":
+            raise RuntimeError(f"process group uses backend {backend!r} but no CUDA device is visible")
+    return DistEnv(
+        rank=dist.get_rank(),
+        world_size=dist.get_world_size(),
+        local_rank=local_rank,
+        device=device,
+        backend=backend,
+    )

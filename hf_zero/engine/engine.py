@@ -1,0 +1,379 @@
+"""ZeroEngine: one object that trains a model under a ZeRO stage with DeepSpeed's step semantics.
+
+It composes a stage (``engine/stages.py``), a precision policy, a loss scaler, the optimizer and the
+scheduler, and counts micro-steps the way DeepSpeed's engine does, so a DeepSpeed training loop::
+
+    for batch in loader:
+        loss = engine(**batch).loss
+        engine.backward(loss)
+        engine.step()
+
+runs unchanged. ``backward`` divides the loss by the accumulation steps and multiplies it by the
+loss scale; ``step`` is called every micro-step and only updates at accumulation boundaries.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from hf_zero.config.schema import ZeroConfig
+from hf_zero.distributed.collectives import all_reduce_flag
+from hf_zero.distributed.env import DistEnv
+from hf_zero.engine.optimizer_recipe import OptimizerRecipe
+from hf_zero.engine.stages import Stage, local_tensor, make_stage
+from hf_zero.precision.policy import PrecisionPolicy
+
+__all__ = ["ZeroEngine"]
+
+logger = logging.getLogger("hf_zero")
+
+OptimizerArg = torch.optim.Optimizer | Callable[..., torch.optim.Optimizer] | None
+SchedulerArg = Any  # an LRScheduler, a callable ``optimizer -> scheduler``, or None
+
+
+class ZeroEngine:
+    """Train ``model`` under ``config``; build it with :func:`hf_zero.initialize`.
+
+    Attributes:
+        module: the user's model (sharded in place at stages 2/3).
+        optimizer: the optimizer the engine steps (a ``ZeroRedundancyOptimizer`` at stage 1).
+        lr_scheduler: the scheduler stepped after each successful optimizer step, or None.
+        config: the resolved :class:`~hf_zero.config.schema.ZeroConfig`.
+        global_steps: optimizer steps taken, overflow-skipped steps included (as DeepSpeed counts).
+        skipped_steps: steps skipped because fp16 gradients overflowed.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        config: ZeroConfig,
+        env: DistEnv,
+        optimizer: OptimizerArg = None,
+        lr_scheduler: SchedulerArg = None,
+    ):
+        from hf_zero.precision.loss_scaler import build_loss_scaler
+
+        _check_supported(config)
+        self.config = config
+        self.env = env
+        self.precision = PrecisionPolicy.from_config(config)
+        self.gradient_accumulation_steps = int(config.gradient_accumulation_steps)
+        self.gradient_clipping = float(config.gradient_clipping)
+
+        recipe = _optimizer_recipe(config, optimizer, model)
+        self.module = model
+        self.stage: Stage = make_stage(config.zero_optimization, env, self.precision)
+        self._forward_module = self.stage.wrap(model)
+        self.optimizer = self.stage.build_optimizer(recipe, model) if recipe else None
+        self.lr_scheduler = _build_scheduler(config, lr_scheduler, self.optimizer)
+        self.loss_scaler = build_loss_scaler(config.fp16, enabled=self.precision.compute_dtype == torch.float16)
+
+        self.micro_steps = 0
+        self.global_steps = 0
+        self.skipped_steps = 0
+        self._boundary_override: bool | None = None
+        self._overflow: bool | None = None
+        self._window_grad_norm: float | None = None  # norm of the gradients being accumulated
+        self._last_grad_norm: float | None = None  # norm of the last update, for logging
+        self._report_start()
+
+    # ----------------------------------------------------------------------------- training loop
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.forward(*args, **kwargs)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """Run the model's forward (with the stage's gradient-sync and precision settings)."""
+        self.stage.set_gradient_sync(self.is_gradient_accumulation_boundary())
+        with self.stage.forward_context():
+            return self._forward_module(*args, **kwargs)
+
+    def backward(self, loss: torch.Tensor) -> torch.Tensor:
+        """Backpropagate ``loss / gradient_accumulation_steps * loss_scale``; return the scaled loss.
+
+        Gradients of successive micro-steps accumulate until :meth:`step` reaches a boundary.
+        """
+        scaled = loss.float()
+        if self.gradient_accumulation_steps > 1:
+            scaled = scaled / self.gradient_accumulation_steps
+        if self.loss_scaler.loss_scale != 1.0:
+            scaled = scaled * self.loss_scaler.loss_scale
+        scaled.backward()
+        return scaled
+
+    def step(self) -> None:
+        """Call after every :meth:`backward`; updates the weights at accumulation boundaries.
+
+        At a boundary: unscale fp16 gradients and check them for inf/nan on every rank (an
+        overflow skips the optimizer and scheduler and backs the loss scale off), clip to
+        ``gradient_clipping``, step the optimizer and the scheduler, zero the gradients.
+        """
+        if self.is_gradient_accumulation_boundary():
+            self._take_model_step()
+        self.micro_steps += 1
+        self._boundary_override = None
+
+    def zero_grad(self) -> None:
+        """Drop all gradients (``step`` already does this after each update)."""
+        self.module.zero_grad(set_to_none=True)
+        self._overflow = None
+        self._window_grad_norm = None
+
+    def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip the accumulated gradients to ``max_norm`` and return their global (all-rank) norm.
+
+        fp16 gradients are unscaled first; an overflow returns ``inf`` and clips nothing.
+        """
+        if self._unscale_and_check_overflow():
+            return torch.tensor(float("inf"))
+        norm = self._total_grad_norm(norm_type)
+        if max_norm > 0:
+            torch.nn.utils.clip_grads_with_norm_(self._trainable_params(), max_norm, norm)
+        self._window_grad_norm = float(norm)
+        return norm
+
+    # ----------------------------------------------------------------------------- accumulation
+    def is_gradient_accumulation_boundary(self) -> bool:
+        """True when the current micro-step ends an accumulation window."""
+        if self._boundary_override is not None:
+            return self._boundary_override
+        return (self.micro_steps + 1) % self.gradient_accumulation_steps == 0
+
+    def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
+        """Force the current micro-step to be (or not be) a boundary, e.g. at the end of an epoch
+        whose length is not a multiple of the accumulation steps. Reset by :meth:`step`."""
+        self._boundary_override = bool(is_boundary)
+
+    # ----------------------------------------------------------------------------- reporting
+    @property
+    def loss_scale(self) -> float:
+        """Current loss scale (1.0 unless fp16)."""
+        return float(self.loss_scaler.loss_scale)
+
+    def get_lr(self) -> list[float]:
+        """Learning rate of each param group."""
+        if self.optimizer is None:
+            return []
+        return [float(g["lr"]) for g in self.optimizer.param_groups]
+
+    def get_global_grad_norm(self) -> float | None:
+        """Global gradient norm of the last update (before clipping), ``inf`` on overflow."""
+        return self._last_grad_norm
+
+    @property
+    def world_size(self) -> int:
+        return self.env.world_size
+
+    def memory_report(self) -> dict[str, dict[str, int]]:
+        """Bytes this rank holds for params, grads and optimizer state, per tier.
+
+        Tiers: ``accelerator`` (the device the engine computes on: a GPU, or the CPU when there is
+        none), ``host`` (CPU memory while computing on a GPU) and ``nvme``.
+        """
+        report = {kind: {"accelerator": 0, "host": 0, "nvme": 0} for kind in ("params", "grads", "optimizer_state")}
+
+        def add(kind: str, t: torch.Tensor) -> None:
+            t = local_tensor(t)
+            tier = "accelerator" if t.device == self.env.device else "host"
+            report[kind][tier] += t.numel() * t.element_size()
+
+        seen: set[int] = set()
+        for p in self.module.parameters():
+            if id(p) in seen:
+                continue
+            seen.add(id(p))
+            add("params", p)
+            if p.grad is not None:
+                add("grads", p.grad)
+        if self.optimizer is not None:
+            for state in self.stage.local_optimizer(self.optimizer).state.values():
+                for v in state.values():
+                    if isinstance(v, torch.Tensor) and v.dim() > 0:
+                        add("optimizer_state", v)
+        return report
+
+    # ----------------------------------------------------------------------------- state
+    def state_dict(self) -> dict[str, Any]:
+        """Sharded state for ``torch.distributed.checkpoint``: model and optimizer as DTensors at
+        stages 2/3 (keyed by parameter name, so they reshard on load), plus scheduler, loss scaler
+        and counters."""
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+        state: dict[str, Any] = {"module": get_model_state_dict(self.module)}
+        if self.optimizer is not None:
+            state["optimizer"] = get_optimizer_state_dict(self.module, self.stage.local_optimizer(self.optimizer))
+        if self.lr_scheduler is not None:
+            state["lr_scheduler"] = self.lr_scheduler.state_dict()
+        state["loss_scaler"] = self.loss_scaler.state_dict()
+        state["counters"] = {
+            "global_steps": self.global_steps,
+            "micro_steps": self.micro_steps,
+            "skipped_steps": self.skipped_steps,
+        }
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Inverse of :meth:`state_dict` (after ``torch.distributed.checkpoint.load`` filled it)."""
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+
+        set_model_state_dict(self.module, state["module"])
+        if self.optimizer is not None and "optimizer" in state:
+            set_optimizer_state_dict(self.module, self.stage.local_optimizer(self.optimizer), state["optimizer"])
+        if self.lr_scheduler is not None and "lr_scheduler" in state:
+            self.lr_scheduler.load_state_dict(state["lr_scheduler"])
+        if "loss_scaler" in state:
+            self.loss_scaler.load_state_dict(state["loss_scaler"])
+        counters = state.get("counters", {})
+        self.global_steps = int(counters.get("global_steps", self.global_steps))
+        self.micro_steps = int(counters.get("micro_steps", self.micro_steps))
+        self.skipped_steps = int(counters.get("skipped_steps", self.skipped_steps))
+
+    def train(self, mode: bool = True) -> ZeroEngine:
+        self.module.train(mode)
+        return self
+
+    def eval(self) -> ZeroEngine:
+        return self.train(False)
+
+    # ----------------------------------------------------------------------------- internals
+    def _trainable_params(self) -> list[nn.Parameter]:
+        seen: set[int] = set()
+        params = []
+        for p in self.module.parameters():
+            if p.requires_grad and p.grad is not None and id(p) not in seen:
+                seen.add(id(p))
+                params.append(p)
+        return params
+
+    def _unscale_and_check_overflow(self) -> bool:
+        """Unscale fp16 gradients once per update and agree on overflow across ranks."""
+        if self._overflow is not None:
+            return self._overflow
+        from hf_zero.precision.loss_scaler import grads_have_inf_or_nan
+
+        grads = [p.grad for p in self._trainable_params()]
+        scale = self.loss_scaler.loss_scale
+        if scale != 1.0 and grads:
+            torch._foreach_mul_([local_tensor(g) for g in grads], 1.0 / scale)
+        found = grads_have_inf_or_nan(grads) if self.loss_scaler.dynamic else False
+        self._overflow = all_reduce_flag(found, self.env.device) if self.loss_scaler.dynamic else False
+        return self._overflow
+
+    def _total_grad_norm(self, norm_type: float = 2.0) -> torch.Tensor:
+        grads = [p.grad for p in self._trainable_params()]
+        if not grads:
+            return torch.tensor(0.0)
+        norm = torch.nn.utils.get_total_norm(grads, norm_type=norm_type, foreach=True)
+        if hasattr(norm, "full_tensor"):
+            # Sharded gradients give a partial norm per rank; full_tensor() reduces it over ranks.
+            norm = norm.full_tensor()
+        return norm
+
+    def _take_model_step(self) -> None:
+        if self.optimizer is None:
+            raise RuntimeError("this engine has no optimizer: pass optimizer= or add an optimizer section")
+        overflow = self._unscale_and_check_overflow()
+        self.loss_scaler.update_scale(overflow)
+        if overflow:
+            self.skipped_steps += 1
+            if self.env.is_main:
+                logger.info(
+                    "fp16 gradients overflowed at step %d; skipping it, loss scale now %s",
+                    self.global_steps,
+                    self.loss_scaler.loss_scale,
+                )
+        else:
+            if self._window_grad_norm is None:  # not clipped by the caller this window
+                norm = self._total_grad_norm()
+                if self.gradient_clipping > 0:
+                    torch.nn.utils.clip_grads_with_norm_(self._trainable_params(), self.gradient_clipping, norm)
+                self._window_grad_norm = float(norm)
+            self.optimizer.step()
+            if self.lr_scheduler is not None:
+                self.lr_scheduler.step()
+        self._last_grad_norm = float("inf") if overflow else self._window_grad_norm
+        self.global_steps += 1
+        self.zero_grad()
+
+    def _report_start(self) -> None:
+        if not self.env.is_main:
+            return
+        logger.info(
+            "hf_zero: ZeRO stage %d, %s, world size %d on %s (%s)",
+            self.config.stage,
+            self.config.compute_dtype_name,
+            self.env.world_size,
+            self.env.device,
+            self.env.backend,
+        )
+        try:
+            from hf_zero.config.parse import describe_no_effect
+        except ImportError:  # pragma: no cover - config layer always ships it
+            return
+        for line in describe_no_effect(self.config):
+            logger.info("hf_zero: %s", line)
+
+
+def _check_supported(config: ZeroConfig) -> None:
+    zero = config.zero_optimization
+    for name, section in (("offload_optimizer", zero.offload_optimizer), ("offload_param", zero.offload_param)):
+        if section.device != "none":
+            raise NotImplementedError(
+                f"{config.source}: zero_optimization.{name}.device={section.device!r} is not available in "
+                "this version of hf_zero; remove the section or set device to \"none\""
+            )
+
+
+def _optimizer_recipe(config: ZeroConfig, optimizer: OptimizerArg, model: nn.Module) -> OptimizerRecipe | None:
+    if config.optimizer is not None and optimizer is not None:
+        raise ValueError(
+            f"{config.source} has an optimizer section and an optimizer was passed too; keep one "
+            "(remove the section to use yours, or pass optimizer=None)"
+        )
+    if config.optimizer is not None:
+        return OptimizerRecipe.from_config(config.optimizer)
+    if isinstance(optimizer, torch.optim.Optimizer):
+        return OptimizerRecipe.from_instance(optimizer, model)
+    if callable(optimizer):
+        return OptimizerRecipe.from_callable(optimizer)
+    return None
+
+
+def _build_scheduler(config: ZeroConfig, lr_scheduler: SchedulerArg, optimizer: torch.optim.Optimizer | None):
+    if config.scheduler is not None and lr_scheduler is not None:
+        raise ValueError(
+            f"{config.source} has a scheduler section and an lr_scheduler was passed too; keep one"
+        )
+    if optimizer is None:
+        return None
+    if config.scheduler is not None:
+        from hf_zero.optim.schedulers import build_scheduler
+
+        return build_scheduler(config.scheduler, optimizer)
+    if lr_scheduler is None:
+        return None
+    if isinstance(lr_scheduler, torch.optim.lr_scheduler.LRScheduler):
+        return _rebind_scheduler(lr_scheduler, optimizer)
+    if callable(lr_scheduler):
+        return lr_scheduler(optimizer)
+    raise TypeError(f"lr_scheduler must be an LRScheduler or a callable optimizer -> scheduler, got {type(lr_scheduler)}")
+
+
+def _rebind_scheduler(scheduler: torch.optim.lr_scheduler.LRScheduler, optimizer: torch.optim.Optimizer):
+    """Point a scheduler made for the caller's optimizer at the engine's rebuilt optimizer."""
+    old_groups = scheduler.optimizer.param_groups
+    if len(old_groups) != len(optimizer.param_groups):
+        raise ValueError(
+            "the lr_scheduler's optimizer has a different number of param groups than the engine's; "
+            "pass a callable optimizer -> scheduler instead"
+        )
+    for old, new in zip(old_groups, optimizer.param_groups):
+        for key in ("lr", "initial_lr"):
+            if key in old:
+                new[key] = old[key]
+    scheduler.optimizer = optimizer
+    return scheduler

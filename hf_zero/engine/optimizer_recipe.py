@@ -1,0 +1,88 @@
+"""How to (re)build the optimizer once the stage has put the parameters in their final form.
+
+FSDP2 replaces each parameter by a sharded DTensor parameter, and stage 1 needs to build its
+optimizer over a subset of them, so an optimizer created before wrapping must be rebuilt. A
+recipe records the optimizer class, its defaults and its param groups by parameter *name*; it is
+made from the config's ``optimizer`` section, from a callable ``params -> optimizer``, or from the
+caller's optimizer instance (the Trainer's).
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from hf_zero.config.schema import OptimizerConfig
+
+__all__ = ["OptimizerRecipe"]
+
+
+@dataclass
+class OptimizerRecipe:
+    """A way to build the optimizer from a ``name -> parameter`` map."""
+
+    build: Callable[[list[dict[str, Any]]], torch.optim.Optimizer]
+    """Makes the optimizer from param groups (dicts with ``params`` plus hyper-parameters)."""
+    groups: list[tuple[list[str], dict[str, Any]]] = field(default_factory=list)
+    """Parameter names and hyper-parameters of each group (empty: one group, all trainable params)."""
+    optimizer_class: type[torch.optim.Optimizer] | None = None
+    defaults: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_config(cls, section: OptimizerConfig) -> OptimizerRecipe:
+        from hf_zero.optim.optimizers import build_optimizer
+
+        return cls(build=lambda groups: build_optimizer(section, groups))
+
+    @classmethod
+    def from_callable(cls, fn: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]) -> OptimizerRecipe:
+        return cls(build=lambda groups: fn(groups))
+
+    @classmethod
+    def from_instance(cls, optimizer: torch.optim.Optimizer, model: nn.Module) -> OptimizerRecipe:
+        """Record ``optimizer``'s class, defaults and groups so it can be rebuilt on new params.
+
+        Raises:
+            ValueError: the optimizer holds a parameter that is not in ``model``, or already has
+                state (a stepped optimizer cannot be moved onto sharded parameters).
+        """
+        if any(len(s) for s in optimizer.state.values()):
+            raise ValueError(
+                "the optimizer passed to hf_zero.initialize() has already been stepped; pass a fresh "
+                "optimizer (its state is rebuilt on the sharded parameters) or load state afterwards"
+            )
+        names = {id(p): n for n, p in model.named_parameters(remove_duplicate=True)}
+        groups = []
+        for group in optimizer.param_groups:
+            missing = [tuple(p.shape) for p in group["params"] if id(p) not in names]
+            if missing:
+                raise ValueError(
+                    f"the optimizer holds {len(missing)} parameter(s) (shapes {missing[:3]}) that are "
+                    "not parameters of the model given to hf_zero.initialize()"
+                )
+            hyper = {k: v for k, v in group.items() if k != "params"}
+            groups.append(([names[id(p)] for p in group["params"]], hyper))
+        opt_cls = type(optimizer)
+        accepted = inspect.signature(opt_cls.__init__).parameters
+        takes_kwargs = any(p.kind is p.VAR_KEYWORD for p in accepted.values())
+        defaults = {k: v for k, v in optimizer.defaults.items() if takes_kwargs or k in accepted}
+
+        def build(new_groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
+            return opt_cls(new_groups, **defaults)
+
+        return cls(build=build, groups=groups, optimizer_class=opt_cls, defaults=defaults)
+
+    def param_groups(self, model: nn.Module) -> list[dict[str, Any]]:
+        """This recipe's groups over ``model``'s current parameters (trainable ones only)."""
+        by_name = dict(model.named_parameters(remove_duplicate=True))
+        if not self.groups:
+            return [{"params": [p for p in by_name.values() if p.requires_grad]}]
+        return [
+            {"params": [by_name[n] for n in names if by_name[n].requires_grad], **hyper}
+            for names, hyper in self.groups
+        ]

@@ -1,0 +1,189 @@
+"""The four ZeRO stages, each on PyTorch's own distributed building blocks.
+
+====== ============================================ ==========================================
+stage  parameters / gradients / optimizer state     built on
+====== ============================================ ==========================================
+0      replicated / all-reduced / replicated        ``DistributedDataParallel``
+1      replicated / all-reduced / sharded           DDP + ``ZeroRedundancyOptimizer``
+2      gathered for fwd+bwd / reduce-scattered /    FSDP2 ``fully_shard(reshard_after_forward=False)``
+       sharded
+3      sharded, gathered per block / reduce-        FSDP2 ``fully_shard(reshard_after_forward=True)``
+       scattered / sharded
+====== ============================================ ==========================================
+
+A stage wraps the model *in place* (FSDP2) or around it (DDP), builds the optimizer over the final
+parameters, tells the engine which module to call, and answers "what are the gradients and what is
+their global norm". Stages know nothing about loss scaling, accumulation counters or schedulers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Protocol
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from hf_zero.config.schema import ZeroOptimizationConfig
+from hf_zero.distributed.env import DistEnv
+from hf_zero.engine.optimizer_recipe import OptimizerRecipe
+from hf_zero.engine.wrap_policy import find_wrap_units
+from hf_zero.precision.policy import PrecisionPolicy
+
+__all__ = ["Stage", "ReplicatedStage", "FullyShardedStage", "make_stage", "local_tensor"]
+
+_BYTES_PER_MB = 1024 * 1024
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The part of ``t`` this rank holds (the shard of a DTensor, else ``t`` itself)."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+class Stage(Protocol):
+    """What the engine needs from a sharding strategy."""
+
+    stage: int
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        """Shard/wrap ``model``; return the module the engine calls for forward."""
+
+    def build_optimizer(self, recipe: OptimizerRecipe, model: nn.Module) -> torch.optim.Optimizer:
+        """The optimizer over the wrapped model's trainable parameters."""
+
+    def set_gradient_sync(self, enabled: bool) -> None:
+        """Whether the next backward reduces gradients across ranks."""
+
+    def forward_context(self) -> contextlib.AbstractContextManager:
+        """Context around the forward (autocast for stages 0/1)."""
+
+    def local_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        """The optimizer that owns this rank's state (for state dicts and byte counts)."""
+
+
+class ReplicatedStage:
+    """Stages 0 and 1: every rank holds the whole model; DDP all-reduces the gradients.
+
+    Stage 1 additionally shards the optimizer state (and so the fp32 update) with torch's
+    ``ZeroRedundancyOptimizer``: each rank steps the parameters it owns and broadcasts them.
+    """
+
+    def __init__(self, stage: int, zero: ZeroOptimizationConfig, env: DistEnv, precision: PrecisionPolicy):
+        if stage not in (0, 1):
+            raise ValueError(f"ReplicatedStage handles stages 0 and 1, not {stage}")
+        self.stage = stage
+        self.zero = zero
+        self.env = env
+        self.precision = precision
+        self.ddp: nn.parallel.DistributedDataParallel | None = None
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        model.to(self.env.device)
+        # DeepSpeed sizes buckets in elements; DDP in MB of fp32 gradients.
+        bucket_mb = max(1, int(int(self.zero.reduce_bucket_size) * 4 / _BYTES_PER_MB))
+        self.ddp = nn.parallel.DistributedDataParallel(
+            model,
+            device_ids=[self.env.device.index] if self.env.device.type == "cuda" else None,
+            bucket_cap_mb=min(bucket_mb, 1024),
+            broadcast_buffers=False,
+        )
+        if self.precision.reduce_dtype == torch.bfloat16:
+            self.ddp.register_comm_hook(None, default_hooks.bf16_compress_hook)
+        elif self.precision.reduce_dtype == torch.float16:
+            self.ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+        return self.ddp
+
+    def build_optimizer(self, recipe: OptimizerRecipe, model: nn.Module) -> torch.optim.Optimizer:
+        groups = recipe.param_groups(model)
+        if self.stage == 0:
+            return recipe.build(groups)
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        # Build once (no state is allocated before the first step) to learn the class and defaults
+        # that ZeroRedundancyOptimizer needs to construct each rank's local optimizer.
+        probe = recipe.build(groups)
+        opt_cls = type(probe)
+        defaults = {k: v for k, v in probe.defaults.items() if k not in ("differentiable",)}
+        groups = [
+            {**{k: v for k, v in g.items() if k != "params"}, "params": list(g["params"])}
+            for g in probe.param_groups
+            if g["params"]
+        ]
+        del probe
+        return ZeroRedundancyOptimizer(groups, optimizer_class=opt_cls, **defaults)
+
+    def set_gradient_sync(self, enabled: bool) -> None:
+        # What DDP.no_sync() sets; a flag lets the engine decide per micro-step without a context.
+        assert self.ddp is not None
+        self.ddp.require_backward_grad_sync = enabled
+
+    def forward_context(self) -> contextlib.AbstractContextManager:
+        return self.precision.autocast(self.env.device)
+
+    def local_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        return getattr(optimizer, "optim", optimizer)
+
+
+class FullyShardedStage:
+    """Stages 2 and 3 with FSDP2: one ``fully_shard`` unit per transformer block, then the root.
+
+    Stage 3 frees each block's gathered parameters after its forward (gathering them again for
+    backward); stage 2 keeps them gathered from forward to backward, trading memory for one
+    all-gather per step. Both keep fp32 parameter shards (the master copy), reduce-scatter
+    gradients into fp32 shards and shard the optimizer state with them.
+    """
+
+    def __init__(self, stage: int, zero: ZeroOptimizationConfig, env: DistEnv, precision: PrecisionPolicy):
+        if stage not in (2, 3):
+            raise ValueError(f"FullyShardedStage handles stages 2 and 3, not {stage}")
+        self.stage = stage
+        self.zero = zero
+        self.env = env
+        self.precision = precision
+        self.units: list[nn.Module] = []
+        self.root: nn.Module | None = None
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh(self.env.device.type, (self.env.world_size,))
+        kwargs = dict(
+            mesh=mesh,
+            reshard_after_forward=self.stage == 3,
+            mp_policy=self.precision.fsdp_mp_policy(),
+        )
+        # FSDP2 shards fp32 parameters; a model loaded in 16 bit would make its master copy 16 bit.
+        model.to(torch.float32)
+        self.units = find_wrap_units(model)
+        for unit in self.units:
+            fully_shard(unit, **kwargs)
+        fully_shard(model, **kwargs)
+        self.root = model
+        return model
+
+    def build_optimizer(self, recipe: OptimizerRecipe, model: nn.Module) -> torch.optim.Optimizer:
+        return recipe.build(recipe.param_groups(model))
+
+    def set_gradient_sync(self, enabled: bool) -> None:
+        # ZeRO-2/3 reduce-scatter every micro-step so that gradients stay sharded (DeepSpeed does
+        # the same); accumulation then happens in the fp32 gradient shards.
+        return None
+
+    def forward_context(self) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
+    def local_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        return optimizer
+
+
+def make_stage(zero: ZeroOptimizationConfig, env: DistEnv, precision: PrecisionPolicy) -> Stage:
+    """The :class:`Stage` for ``zero.stage``."""
+    if zero.stage in (0, 1):
+        return ReplicatedStage(zero.stage, zero, env, precision)
+    if zero.stage in (2, 3):
+        return FullyShardedStage(zero.stage, zero, env, precision)
+    raise ValueError(f"zero_optimization.stage must be 0, 1, 2 or 3, got {zero.stage!r}")
