@@ -19,7 +19,16 @@ from torch import nn
 
 from hf_zero.config.schema import OptimizerConfig
 
-__all__ = ["OptimizerRecipe"]
+__all__ = ["OptimizerRecipe", "constructor_defaults"]
+
+
+def constructor_defaults(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """``optimizer.defaults`` restricted to what its class's ``__init__`` accepts, so that
+    ``type(optimizer)(params, **constructor_defaults(optimizer))`` rebuilds it (``defaults`` may
+    hold internal keys such as AdamW's ``decoupled_weight_decay``)."""
+    accepted = inspect.signature(type(optimizer).__init__).parameters
+    takes_kwargs = any(p.kind is p.VAR_KEYWORD for p in accepted.values())
+    return {k: v for k, v in optimizer.defaults.items() if takes_kwargs or (k in accepted and k != "params")}
 
 
 @dataclass
@@ -68,9 +77,7 @@ class OptimizerRecipe:
             hyper = {k: v for k, v in group.items() if k != "params"}
             groups.append(([names[id(p)] for p in group["params"]], hyper))
         opt_cls = type(optimizer)
-        accepted = inspect.signature(opt_cls.__init__).parameters
-        takes_kwargs = any(p.kind is p.VAR_KEYWORD for p in accepted.values())
-        defaults = {k: v for k, v in optimizer.defaults.items() if takes_kwargs or k in accepted}
+        defaults = constructor_defaults(optimizer)
 
         def build(new_groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
             return opt_cls(new_groups, **defaults)

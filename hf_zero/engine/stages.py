@@ -27,7 +27,7 @@ from torch.distributed.tensor import DTensor
 
 from hf_zero.config.schema import ZeroOptimizationConfig
 from hf_zero.distributed.env import DistEnv
-from hf_zero.engine.optimizer_recipe import OptimizerRecipe
+from hf_zero.engine.optimizer_recipe import OptimizerRecipe, constructor_defaults
 from hf_zero.engine.wrap_policy import find_wrap_units
 from hf_zero.precision.policy import PrecisionPolicy
 
@@ -88,7 +88,6 @@ class ReplicatedStage:
             model,
             device_ids=[self.env.device.index] if self.env.device.type == "cuda" else None,
             bucket_cap_mb=min(bucket_mb, 1024),
-            broadcast_buffers=False,
         )
         if self.precision.reduce_dtype == torch.bfloat16:
             self.ddp.register_comm_hook(None, default_hooks.bf16_compress_hook)
@@ -106,7 +105,7 @@ class ReplicatedStage:
         # that ZeroRedundancyOptimizer needs to construct each rank's local optimizer.
         probe = recipe.build(groups)
         opt_cls = type(probe)
-        defaults = {k: v for k, v in probe.defaults.items() if k not in ("differentiable",)}
+        defaults = constructor_defaults(probe)
         groups = [
             {**{k: v for k, v in g.items() if k != "params"}, "params": list(g["params"])}
             for g in probe.param_groups
