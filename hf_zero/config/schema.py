@@ -281,6 +281,8 @@ class ZeroConfig:
     train_batch_size: int | Auto | None = None
     train_micro_batch_size_per_gpu: int | Auto | None = None
     gradient_accumulation_steps: int | Auto = 1
+    """Micro-batches per optimizer step. When absent from the file, ``resolve_auto`` takes it from
+    TrainingArguments or derives it from train_batch_size (DeepSpeed's rule); 1 otherwise."""
     gradient_clipping: float | Auto = 0.0
     """Max global gradient norm; 0 disables clipping (DeepSpeed's code default; its docs say 1.0)."""
     steps_per_print: int = 10
@@ -306,6 +308,10 @@ class ZeroConfig:
     """Where the config came from (file path, ``<dict>`` or ``<json string>``), for messages."""
     no_effect_keys: tuple[str, ...] = ()
     """Dotted keys the user set that hf_zero accepts but that change nothing (reported once)."""
+    explicit_keys: tuple[str, ...] = ()
+    """Dotted field paths (``optimizer.lr``, ``zero_optimization.prefetch_bucket_size``) the user
+    wrote, after alias mapping. ``resolve_auto`` compares only these with TrainingArguments and
+    derives absent batch sizes the way DeepSpeed does; a field not listed holds its default."""
 
     @property
     def stage(self) -> int:
