@@ -1,0 +1,120 @@
+"""Memory estimator: bytes per GPU, per node of host RAM and per node of NVMe for ZeRO stages 0-3.
+
+Pure arithmetic on named constants (``memory.py``); a model is read from its config on the meta
+device, never from its weights (``model_spec.py``). With activations off it reproduces the ZeRO
+paper's model-state formulas exactly.
+
+Example:
+    >>> from hf_zero.estimator import estimate_memory
+    >>> rows = estimate_memory("7.5e9", num_gpus=64, include_activations=False)
+    >>> rows[3]
+    {'stage': 3, 'offload_optimizer': 'none', 'offload_param': 'none', 'gpu_bytes': 1875000000, 'cpu_bytes': 0, 'nvme_bytes': 0, 'fits': True}
+"""
+
+from hf_zero.estimator.calibration import MeasuredMemory, MeasurementComparison, compare_with_measurement
+from hf_zero.estimator.errors import EstimatorError
+from hf_zero.estimator.memory import (
+    ACTIVATION_BYTES_PER_AS2B,
+    ACTIVATION_BYTES_PER_SBH,
+    ADAM_K,
+    ADAM_K_FP32,
+    BYTES_PER_GRAD_16BIT,
+    BYTES_PER_GRAD_FP32,
+    BYTES_PER_PARAM_16BIT,
+    BYTES_PER_PARAM_FP32,
+    CHECKPOINT_BYTES_PER_SBH,
+    DEFAULT_GPU_RESERVE_BYTES,
+    DEFAULT_MICRO_BATCH_SIZE,
+    DEFAULT_SEQ_LEN,
+    DEFAULT_SUB_GROUP_SIZE,
+    FP32_ACTIVATION_FACTOR,
+    FP32_GRAD_COPY_BYTES,
+    LOGITS_BYTES_PER_ELEMENT,
+    OFFLOAD_DEVICES,
+    OPTIMIZER_NVME_BUFFER_COUNT,
+    PARAM_NVME_BUFFER_COUNT,
+    PARAM_NVME_BUFFER_SIZE,
+    PRECISIONS,
+    SPEED_ORDER,
+    STAGE3_GATHERED_BLOCKS,
+    ActivationEstimate,
+    Breakdown,
+    Estimate,
+    Precision,
+    Row,
+    ZeroChoice,
+    activation_bytes,
+    estimate,
+    estimate_memory,
+    is_valid_choice,
+    model_state_bytes,
+    working_buffer_bytes,
+)
+from hf_zero.estimator.model_spec import (
+    ALL_LINEAR,
+    LinearLayer,
+    ModelSpec,
+    closed_form_spec,
+    load_model_spec,
+    lora_param_count,
+    lora_target_layers,
+)
+from hf_zero.estimator.report import DEFAULT_NVME_PATH, nothing_fits_message, render_report, zero_config_for
+from hf_zero.estimator.units import format_bytes, format_count, parse_memory_size, parse_param_count
+
+__all__ = [
+    "ACTIVATION_BYTES_PER_AS2B",
+    "ACTIVATION_BYTES_PER_SBH",
+    "ADAM_K",
+    "ADAM_K_FP32",
+    "ALL_LINEAR",
+    "BYTES_PER_GRAD_16BIT",
+    "BYTES_PER_GRAD_FP32",
+    "BYTES_PER_PARAM_16BIT",
+    "BYTES_PER_PARAM_FP32",
+    "CHECKPOINT_BYTES_PER_SBH",
+    "DEFAULT_GPU_RESERVE_BYTES",
+    "DEFAULT_MICRO_BATCH_SIZE",
+    "DEFAULT_NVME_PATH",
+    "DEFAULT_SEQ_LEN",
+    "DEFAULT_SUB_GROUP_SIZE",
+    "FP32_ACTIVATION_FACTOR",
+    "FP32_GRAD_COPY_BYTES",
+    "LOGITS_BYTES_PER_ELEMENT",
+    "OFFLOAD_DEVICES",
+    "OPTIMIZER_NVME_BUFFER_COUNT",
+    "PARAM_NVME_BUFFER_COUNT",
+    "PARAM_NVME_BUFFER_SIZE",
+    "PRECISIONS",
+    "SPEED_ORDER",
+    "STAGE3_GATHERED_BLOCKS",
+    "ActivationEstimate",
+    "Breakdown",
+    "Estimate",
+    "EstimatorError",
+    "LinearLayer",
+    "MeasuredMemory",
+    "MeasurementComparison",
+    "ModelSpec",
+    "Precision",
+    "Row",
+    "ZeroChoice",
+    "activation_bytes",
+    "closed_form_spec",
+    "compare_with_measurement",
+    "estimate",
+    "estimate_memory",
+    "format_bytes",
+    "format_count",
+    "is_valid_choice",
+    "load_model_spec",
+    "lora_param_count",
+    "lora_target_layers",
+    "model_state_bytes",
+    "nothing_fits_message",
+    "parse_memory_size",
+    "parse_param_count",
+    "render_report",
+    "working_buffer_bytes",
+    "zero_config_for",
+]
