@@ -241,6 +241,9 @@ class WarmupCosineLR(DeepSpeedLRScheduler):
     and the lr is 0.0 at construction. The ``min(1, ...)`` is hf_zero's: DeepSpeed lets the cosine
     run on past ``T``, so its lr rises again.
 
+    The base lrs are read from the optimizer when the scheduler is built, so build it before
+    loading a checkpoint into the optimizer (whose lrs are then mid-schedule), as in DeepSpeed.
+
     Args:
         optimizer: The optimizer whose param groups get the lr.
         total_num_steps: Total optimizer steps ``T``.
