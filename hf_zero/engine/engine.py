@@ -14,6 +14,7 @@ loss scale; ``step`` is called every micro-step and only updates at accumulation
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -80,6 +81,7 @@ class ZeroEngine:
         self._overflow: bool | None = None
         self._window_grad_norm: float | None = None  # norm of the gradients being accumulated
         self._last_grad_norm: float | None = None  # norm of the last update, for logging
+        self._last_step_skipped = False
         self._report_start()
 
     # ----------------------------------------------------------------------------- training loop
@@ -88,17 +90,31 @@ class ZeroEngine:
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Run the model's forward (with the stage's gradient-sync and precision settings)."""
-        self.stage.set_gradient_sync(self.is_gradient_accumulation_boundary())
-        with self.stage.forward_context():
+        with self.forward_context():
             return self._forward_module(*args, **kwargs)
 
-    def backward(self, loss: torch.Tensor) -> torch.Tensor:
+    @property
+    def forward_module(self) -> nn.Module:
+        """The module to call for training forwards (DDP-wrapped at stages 0/1, the sharded model at 2/3)."""
+        return self._forward_module
+
+    @contextlib.contextmanager
+    def forward_context(self):
+        """Context for a forward run outside :meth:`forward` (e.g. by the Trainer's ``compute_loss``):
+        sets whether this micro-step's backward reduces gradients, and autocast at stages 0/1."""
+        self.stage.set_gradient_sync(self.is_gradient_accumulation_boundary())
+        with self.stage.forward_context():
+            yield
+
+    def backward(self, loss: torch.Tensor, scale_wrt_gas: bool = True) -> torch.Tensor:
         """Backpropagate ``loss / gradient_accumulation_steps * loss_scale``; return the scaled loss.
 
         Gradients of successive micro-steps accumulate until :meth:`step` reaches a boundary.
+        ``scale_wrt_gas=False`` skips the division, for callers whose loss is already normalised
+        over the accumulation window (the Trainer's, as with DeepSpeed).
         """
         scaled = loss.float()
-        if self.gradient_accumulation_steps > 1:
+        if scale_wrt_gas and self.gradient_accumulation_steps > 1:
             scaled = scaled / self.gradient_accumulation_steps
         if self.loss_scaler.loss_scale != 1.0:
             scaled = scaled * self.loss_scaler.loss_scale
@@ -113,7 +129,7 @@ class ZeroEngine:
         ``gradient_clipping``, step the optimizer and the scheduler, zero the gradients.
         """
         if self.is_gradient_accumulation_boundary():
-            self._take_model_step()
+            self.optimizer_step()
         self.micro_steps += 1
         self._boundary_override = None
 
@@ -273,7 +289,15 @@ class ZeroEngine:
             norm = norm.full_tensor()
         return norm
 
-    def _take_model_step(self) -> None:
+    @property
+    def last_step_skipped(self) -> bool:
+        """True when the last update was skipped because fp16 gradients overflowed."""
+        return self._last_step_skipped
+
+    def optimizer_step(self) -> None:
+        """Update the weights from the accumulated gradients now (what :meth:`step` does at a
+        boundary): overflow check, clipping, optimizer and scheduler step, zero the gradients.
+        For callers that count accumulation themselves, like the Trainer's loop."""
         if self.optimizer is None:
             raise RuntimeError("this engine has no optimizer: pass optimizer= or add an optimizer section")
         overflow = self._unscale_and_check_overflow()
@@ -296,6 +320,7 @@ class ZeroEngine:
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step()
         self._last_grad_norm = float("inf") if overflow else self._window_grad_norm
+        self._last_step_skipped = overflow
         self.global_steps += 1
         self.zero_grad()
 

@@ -1,0 +1,347 @@
+"""``ZeroTrainer``: the Hugging Face ``Trainer`` with hf_zero's engine underneath.
+
+Same constructor and the same loop as ``Trainer``; a short list of hooks hand the work to the
+:class:`~hf_zero.engine.engine.ZeroEngine`:
+
+- ``_prepare_for_training``: builds the engine (shards the model, builds optimizer and scheduler
+  from the config sections or, when absent, the Trainer's own ``optim``/``lr_scheduler_type``),
+  and resumes from a sharded checkpoint.
+- ``training_step``: forward under the engine's context, ``engine.backward`` (loss scaling).
+- ``_clip_grad_norm`` / ``_get_grad_norm``: the engine's global norm (all ranks, unscaled).
+- the optimizer/scheduler the loop sees are thin views on the engine: ``optimizer.step()`` is
+  the engine's update (skipped on fp16 overflow, which also leaves the scheduler alone).
+- ``save_model``: 16-bit weights gathered to rank 0 and written by ``save_pretrained`` (adapter
+  only for peft models); ``_save_checkpoint``: a sharded, resumable, atomically written checkpoint.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from transformers import Seq2SeqTrainer, Trainer
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+__all__ = ["ZeroTrainer", "ZeroSeq2SeqTrainer", "ZeroTrainerMixin"]
+
+logger = logging.getLogger("hf_zero")
+
+ZERO_STATE_DIR = "zero_state"
+"""Sub-folder of a Trainer checkpoint that holds hf_zero's sharded state."""
+TRAINER_STATE_NAME = "trainer_state.json"
+
+
+class _EngineOptimizer:
+    """What the Trainer loop calls ``self.optimizer``: the engine's update behind ``step()``."""
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    @property
+    def param_groups(self):
+        return self.engine.optimizer.param_groups
+
+    @property
+    def state(self):
+        return self.engine.optimizer.state
+
+    @property
+    def defaults(self):
+        return self.engine.optimizer.defaults
+
+    def step(self, closure=None):
+        self.engine.optimizer_step()
+
+    def zero_grad(self, set_to_none: bool = True):
+        self.engine.zero_grad()
+
+    def state_dict(self):
+        return self.engine.optimizer.state_dict()
+
+    def load_state_dict(self, state):
+        self.engine.optimizer.load_state_dict(state)
+
+    @property
+    def step_was_skipped(self) -> bool:
+        return self.engine.last_step_skipped
+
+
+class _EngineScheduler:
+    """What the loop calls ``self.lr_scheduler``: the engine steps the real one inside its update
+    (and not on an fp16 overflow), so ``step()`` here does nothing."""
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    def step(self, *args, **kwargs):
+        return None
+
+    def get_last_lr(self):
+        if self.engine.lr_scheduler is not None:
+            return self.engine.lr_scheduler.get_last_lr()
+        return self.engine.get_lr()
+
+    def state_dict(self):
+        return self.engine.lr_scheduler.state_dict() if self.engine.lr_scheduler is not None else {}
+
+    def load_state_dict(self, state):
+        if self.engine.lr_scheduler is not None:
+            self.engine.lr_scheduler.load_state_dict(state)
+
+
+class ZeroTrainerMixin:
+    """The hf_zero hooks; mixed into ``Trainer`` (``ZeroTrainer``) and ``Seq2SeqTrainer``."""
+
+    zero_engine = None
+
+    # ------------------------------------------------------------------------------- set-up
+    def _zero_config(self):
+        parsed = getattr(self.args, "parsed_zero_config", None)
+        if parsed is None:
+            raise ValueError(
+                "ZeroTrainer needs a zero config: build the arguments with "
+                "hf_zero.ZeroTrainingArguments(..., zero_config='ds_config.json') or pass --zero_config"
+            )
+        return parsed
+
+    def _build_zero_engine(self, max_steps: int | None, for_training: bool) -> None:
+        from hf_zero.engine.initialize import initialize
+
+        config = self._zero_config()
+        optimizer = lr_scheduler = None
+        if for_training:
+            if config.optimizer is None:
+                # The Trainer's own optimizer (its decay/no-decay groups), rebuilt on the shards.
+                optimizer = self.optimizer if self.optimizer is not None else self.create_optimizer()
+            if config.scheduler is None:
+                lr_scheduler = self._trainer_scheduler_factory(max_steps)
+        self.zero_engine = initialize(
+            self.model,
+            config,
+            optimizer=optimizer,
+            lr_scheduler=lr_scheduler,
+            training_args=self.args,
+            num_training_steps=max_steps,
+        )
+        engine = self.zero_engine
+        if engine.config.stage >= 2 and hasattr(self.model, "generate"):
+            # generate() is not a forward, so FSDP2 would not gather the parameters for it.
+            from torch.distributed.fsdp import register_fsdp_forward_method
+
+            register_fsdp_forward_method(self.model, "generate")
+
+    def _trainer_scheduler_factory(self, max_steps):
+        user_scheduler = self.lr_scheduler
+
+        def make(optimizer):
+            if user_scheduler is not None:
+                from hf_zero.engine.engine import _rebind_scheduler
+
+                return _rebind_scheduler(user_scheduler, optimizer)
+            self.lr_scheduler = None
+            return Trainer.create_scheduler(self, num_training_steps=max_steps, optimizer=optimizer)
+
+        return make
+
+    def _prepare_for_training(self, max_steps, train_dataloader, resume_from_checkpoint):
+        if self.zero_engine is None:
+            self._build_zero_engine(max_steps, for_training=True)
+        elif self.zero_engine.optimizer is None:
+            raise RuntimeError(
+                "the model was sharded for evaluation before train(); build the ZeroTrainer anew to train it"
+            )
+        engine = self.zero_engine
+        self.optimizer = _EngineOptimizer(engine)
+        self.lr_scheduler = _EngineScheduler(engine)
+        self._created_lr_scheduler = False
+        model = engine.forward_module
+        self.model_wrapped = model
+        if resume_from_checkpoint is not None:
+            self._load_zero_checkpoint(resume_from_checkpoint)
+        for attr in ("model", "optimizer", "lr_scheduler"):
+            setattr(self.callback_handler, attr, getattr(self, attr))
+        self.callback_handler.train_dataloader = train_dataloader
+        return model, train_dataloader
+
+    def _wrap_model(self, model: nn.Module, training: bool = True, dataloader=None) -> nn.Module:
+        if self.zero_engine is None and not training and self._zero_config().stage >= 2:
+            # Evaluation before training: shard now, so no rank holds the whole model.
+            self._build_zero_engine(None, for_training=False)
+        if self.zero_engine is not None:
+            return self.zero_engine.forward_module if training else self.model
+        return model
+
+    def autocast_smart_context_manager(self, cache_enabled: bool | None = True):
+        if self.zero_engine is not None:
+            return self.zero_engine.stage.forward_context()
+        return super().autocast_smart_context_manager(cache_enabled)
+
+    # ------------------------------------------------------------------------------- training
+    def training_step(self, model: nn.Module, inputs: dict[str, Any], num_items_in_batch=None) -> torch.Tensor:
+        engine = self.zero_engine
+        model.train()
+        inputs = self._prepare_inputs(inputs)
+        # The loop decides where accumulation windows end (also for a short last window).
+        engine.set_gradient_accumulation_boundary(self.accelerator.sync_gradients)
+        with engine.forward_context():
+            loss = self.compute_loss(model, inputs, num_items_in_batch=num_items_in_batch)
+        del inputs
+        if self.args.n_gpu > 1:
+            loss = loss.mean()
+        if self.loss_is_scaled_for_ga is not None:
+            scaled_for_ga = self.loss_is_scaled_for_ga
+        else:
+            scaled_for_ga = (self.model_accepts_loss_kwargs and num_items_in_batch is not None) or (
+                self.compute_loss_func is not None
+            )
+        if not scaled_for_ga:
+            loss = loss / self.current_gradient_accumulation_steps
+        engine.backward(loss, scale_wrt_gas=False)
+        return loss.detach()
+
+    def _clip_grad_norm(self, model):
+        return self.zero_engine.clip_grad_norm(self.args.max_grad_norm)
+
+    def _get_grad_norm(self, model, grad_norm=None):
+        if grad_norm is None:
+            grad_norm = self.zero_engine.clip_grad_norm(0.0)  # norm only
+        return float(grad_norm)
+
+    # ------------------------------------------------------------------------------- saving
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """Write 16-bit weights gathered from all ranks (``from_pretrained`` loads them), or for a
+        peft model the adapter only; with ``stage3_gather_16bit_weights_on_model_save: false`` at
+        stage 3, say where the sharded weights are and how to consolidate them."""
+        output_dir = output_dir or self.args.output_dir
+        engine = self.zero_engine
+        if engine is None:
+            return super().save_model(output_dir, _internal_call)
+        from hf_zero.checkpoint.export16 import gather_full_state_dict
+
+        gather = engine.config.zero_optimization.gather_16bit_weights_on_model_save or engine.config.stage < 3
+        if not gather:
+            if not _internal_call:
+                self._save_zero_state(output_dir)
+            if self.args.should_save:
+                logger.warning(
+                    "stage3_gather_16bit_weights_on_model_save is false: %s holds sharded weights only "
+                    "(%s/); turn them into a from_pretrained folder with: hf-zero consolidate %s OUT_DIR",
+                    output_dir, ZERO_STATE_DIR, output_dir,
+                )
+            return
+        only_trainable = _is_peft_model(self.model)
+        state = gather_full_state_dict(
+            self.model,
+            dtype=engine.precision.compute_dtype,
+            only_trainable=only_trainable,
+        )
+        if self.args.should_save:
+            self._save(output_dir, state_dict=state)
+        if dist.is_initialized():
+            dist.barrier()
+
+    def _save_zero_state(self, output_dir: str) -> None:
+        from hf_zero.checkpoint.sharded import save_checkpoint
+
+        save_checkpoint(self.zero_engine, os.path.join(output_dir, ZERO_STATE_DIR))
+
+    def _save_checkpoint(self, model: nn.Module, trial) -> None:
+        """A Trainer checkpoint written into ``checkpoint-N.incomplete`` and renamed to
+        ``checkpoint-N`` only when every part is on disk."""
+        from transformers.trainer_callback import ExportableState
+        from transformers.trainer_utils import SaveStrategy
+        from transformers.trainer import rotate_checkpoints
+
+        if self.hp_search_backend is None and trial is None:
+            self.store_flos()
+        run_dir = self._get_output_dir(trial=trial)
+        final_dir = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+        work_dir = final_dir + ".incomplete"
+        if self.args.should_save:
+            shutil.rmtree(work_dir, ignore_errors=True)
+            os.makedirs(work_dir)
+        _barrier()
+
+        self.save_model(work_dir, _internal_call=True)
+        self._save_zero_state(work_dir)
+        if self.args.should_save:
+            for cb in [c for c in self.callback_handler.callbacks + [self.control] if isinstance(c, ExportableState)]:
+                name = cb.__class__.__name__
+                if isinstance(self.state.stateful_callbacks.get(name), list):
+                    self.state.stateful_callbacks[name].append(cb.state())
+                else:
+                    self.state.stateful_callbacks[name] = cb.state()
+            self.state.save_to_json(os.path.join(work_dir, TRAINER_STATE_NAME))
+        _barrier()
+        if self.args.should_save:
+            if os.path.exists(final_dir):
+                shutil.rmtree(final_dir)
+            os.replace(work_dir, final_dir)
+        _barrier()
+
+        if self.args.save_strategy in [SaveStrategy.STEPS, SaveStrategy.EPOCH, SaveStrategy.BEST] and self.state.best_global_step:
+            best_dir = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.best_global_step}")
+            if os.path.exists(best_dir):
+                self.state.best_model_checkpoint = best_dir
+        if self.args.should_save:
+            rotate_checkpoints(
+                output_dir=run_dir,
+                save_total_limit=self.args.save_total_limit,
+                best_model_checkpoint=self.state.best_model_checkpoint,
+                use_mtime=True,
+            )
+
+    # ------------------------------------------------------------------------------- resuming
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: nn.Module | None = None) -> None:
+        # Called by train() before the engine exists: only check the folder, so a bad path fails
+        # before any work; the state is loaded once the model is sharded (_prepare_for_training).
+        from hf_zero.checkpoint.sharded import verify_checkpoint
+
+        verify_checkpoint(os.path.join(resume_from_checkpoint, ZERO_STATE_DIR))
+
+    def _load_zero_checkpoint(self, checkpoint: str) -> None:
+        from hf_zero.checkpoint.sharded import load_checkpoint
+
+        load_checkpoint(self.zero_engine, os.path.join(checkpoint, ZERO_STATE_DIR))
+
+    def _load_rng_state(self, checkpoint: str | None) -> None:
+        if checkpoint is None:
+            return
+        from hf_zero.checkpoint.sharded import load_rng_state
+
+        load_rng_state(os.path.join(checkpoint, ZERO_STATE_DIR))
+
+
+def _is_peft_model(model: nn.Module) -> bool:
+    try:
+        from peft import PeftModel
+    except ImportError:  # pragma: no cover - peft is a dependency
+        return False
+    return isinstance(model, PeftModel)
+
+
+def _barrier() -> None:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+class ZeroTrainer(ZeroTrainerMixin, Trainer):
+    """``transformers.Trainer`` trained by hf_zero; pass :class:`ZeroTrainingArguments`.
+
+    Example::
+
+        args = ZeroTrainingArguments(output_dir="out", zero_config="ds_zero3.json", bf16=True,
+                                     per_device_train_batch_size=2, max_steps=100)
+        trainer = ZeroTrainer(model=model, args=args, train_dataset=ds, processing_class=tok)
+        trainer.train()
+        trainer.save_model()        # from_pretrained-ready 16-bit weights (adapter only for peft)
+    """
+
+
+class ZeroSeq2SeqTrainer(ZeroTrainerMixin, Seq2SeqTrainer):
+    """``transformers.Seq2SeqTrainer`` trained by hf_zero."""
