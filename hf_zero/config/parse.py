@@ -77,6 +77,8 @@ NO_EFFECT_KEYS: dict[str, str] = {
     "data_efficiency": "disabled data efficiency changes nothing (enabled is rejected)",
     "quantize_training": "disabled MoQ changes nothing (enabled is rejected)",
     "hybrid_engine": "disabled hybrid engine changes nothing (enabled is rejected)",
+    "compression_training": "an empty section changes nothing (compression settings are rejected)",
+    "weight_quantization": "an empty section changes nothing (quantized weights are rejected)",
     "sparse_attention": "only applies to models built from DeepSpeed's SparseSelfAttention modules",
     "pipeline": "hf_zero is data parallel only; pipeline settings apply to DeepSpeed's PipelineModule",
     "tensor_parallel": "tensor parallel size 1 changes nothing (autotp_size > 1 is rejected)",
