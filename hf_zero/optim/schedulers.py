@@ -13,19 +13,17 @@ scheduler once after every optimizer step that was not skipped for an fp16 overf
 Here torch's ``last_epoch`` counts ``step()`` calls (torch's own constructor makes one), so
 ``last_batch_iteration == last_epoch - 1``; it is exposed under DeepSpeed's name too.
 
-Deliberate differences from DeepSpeed, each where DeepSpeed's code does something that is plainly
-unintended; everything else matches value for value:
+This follows DeepSpeed's code as of its 2026 fixes: WarmupCosineLR starts every param group at
+0.0 (PR #7969) and holds ``cos_min_ratio`` past ``total_num_steps`` (PR #8142); WarmupLR without
+``warmup_max_lr`` warms up to each group's own lr (PRs #7360, #8171); OneCycle's stair counts
+quantize the cycle (PR #8179). Deliberate differences from DeepSpeed, where its code does something
+plainly unintended:
 
-* WarmupCosineLR past ``total_num_steps`` stays at ``cos_min_ratio``; DeepSpeed's cosine keeps
-  going and the lr climbs back up.
-* WarmupCosineLR sets *every* param group to 0.0 at construction; DeepSpeed sets only the first
-  (its ``get_lr`` returns ``[0.0]`` before the start).
 * OneCycle leaves ``betas[1]`` as the optimizer had it; DeepSpeed overwrites it with 0.99.
+* An unknown ``warmup_type`` is an error; DeepSpeed warns and uses ``log``.
 
 Like DeepSpeed, OneCycle cycles momentum only for optimizers with ``betas`` in their defaults
-(Adam, AdamW, Lion, Lamb); for SGD it warns and cycles the lr alone. Its
-``cycle_first_stair_count`` / ``cycle_second_stair_count`` are accepted but, as in DeepSpeed, have no
-effect (DeepSpeed stores them and never reads them).
+(Adam, AdamW, Lion, Lamb); for SGD it warns and cycles the lr alone.
 """
 
 from __future__ import annotations
@@ -133,6 +131,13 @@ def _warmup_gamma(iteration: int, warmup_num_steps: int, warmup_type: str) -> fl
     return iteration / warmup_num_steps
 
 
+def _check_steps(name: str, value: Any, minimum: int) -> int:
+    """An integer step count >= minimum (DeepSpeed rejects None and negative counts too)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value) or value < minimum:
+        raise ValueError(f"scheduler.params.{name}={value!r} must be an integer >= {minimum}")
+    return int(value)
+
+
 def _check_warmup_type(warmup_type: str) -> str:
     if warmup_type not in (WARMUP_LOG, WARMUP_LINEAR):
         raise ValueError(f"scheduler.params.warmup_type={warmup_type!r} must be 'log' or 'linear'")
@@ -154,8 +159,9 @@ class WarmupLR(DeepSpeedLRScheduler):
     Args:
         optimizer: The optimizer whose param groups get the lr.
         warmup_min_lr: Starting lr.
-        warmup_max_lr: lr after warmup.
-        warmup_num_steps: Warmup length in optimizer steps (values below 2 act as 2).
+        warmup_max_lr: lr after warmup; None means each param group's lr when the scheduler is
+            built (DeepSpeed's WarmupLR default since PR #7360).
+        warmup_num_steps: Warmup length in optimizer steps, >= 0 (values below 2 act as 2).
         warmup_type: ``"log"`` or ``"linear"``.
     """
 
@@ -163,15 +169,17 @@ class WarmupLR(DeepSpeedLRScheduler):
         self,
         optimizer: torch.optim.Optimizer,
         warmup_min_lr: float = 0.0,
-        warmup_max_lr: float = 0.001,
+        warmup_max_lr: float | None = None,
         warmup_num_steps: int = 1000,
         warmup_type: str = WARMUP_LOG,
     ) -> None:
         self.min_lr = float(warmup_min_lr)
-        self.max_lr = float(warmup_max_lr)
-        self.warmup_num_steps = max(2, int(warmup_num_steps))
+        if warmup_max_lr is None:
+            self.max_lrs = [float(g["lr"]) for g in optimizer.param_groups]
+        else:
+            self.max_lrs = [float(warmup_max_lr)] * _n_groups(optimizer)
+        self.warmup_num_steps = max(2, _check_steps("warmup_num_steps", warmup_num_steps, minimum=0))
         self.warmup_type = _check_warmup_type(warmup_type)
-        self._groups = _n_groups(optimizer)
         super().__init__(optimizer)
 
     def _gamma(self, it: int) -> float:
@@ -180,11 +188,11 @@ class WarmupLR(DeepSpeedLRScheduler):
         return 1.0
 
     def lr_at(self, batch_iteration: int) -> list[float]:
-        lr = self.min_lr + (self.max_lr - self.min_lr) * self._gamma(batch_iteration)
-        return [lr] * self._groups
+        gamma = self._gamma(batch_iteration)
+        return [self.min_lr + (max_lr - self.min_lr) * gamma for max_lr in self.max_lrs]
 
     def initial_lrs(self) -> list[float]:
-        return [self.min_lr] * self._groups
+        return [self.min_lr] * len(self.max_lrs)
 
 
 class WarmupDecayLR(WarmupLR):
@@ -200,7 +208,8 @@ class WarmupDecayLR(WarmupLR):
     Args:
         optimizer: The optimizer whose param groups get the lr.
         total_num_steps: Total optimizer steps ``T``.
-        warmup_min_lr, warmup_max_lr, warmup_num_steps, warmup_type: As for :class:`WarmupLR`.
+        warmup_min_lr, warmup_max_lr, warmup_num_steps, warmup_type: As for :class:`WarmupLR`,
+            except that ``warmup_max_lr`` defaults to 0.001 (DeepSpeed's WarmupDecayLR default).
     """
 
     def __init__(
@@ -208,12 +217,12 @@ class WarmupDecayLR(WarmupLR):
         optimizer: torch.optim.Optimizer,
         total_num_steps: int,
         warmup_min_lr: float = 0.0,
-        warmup_max_lr: float = 0.001,
+        warmup_max_lr: float | None = 0.001,
         warmup_num_steps: int = 1000,
         warmup_type: str = WARMUP_LOG,
     ) -> None:
-        self.total_num_steps = int(total_num_steps)
-        if self.total_num_steps < max(2, int(warmup_num_steps)):
+        self.total_num_steps = _check_steps("total_num_steps", total_num_steps, minimum=0)
+        if self.total_num_steps < max(2, _check_steps("warmup_num_steps", warmup_num_steps, minimum=0)):
             warnings.warn(
                 f"WarmupDecayLR: total_num_steps {total_num_steps} is less than warmup_num_steps "
                 f"{warmup_num_steps}",
@@ -238,8 +247,9 @@ class WarmupCosineLR(DeepSpeedLRScheduler):
         it >= W: progress = min(1, (it - W + 1) / (T - W))
                  ratio = cos_min_ratio + (1 - cos_min_ratio) * (1 + cos(pi * progress)) / 2
 
-    and the lr is 0.0 at construction. The ``min(1, ...)`` is hf_zero's: DeepSpeed lets the cosine
-    run on past ``T``, so its lr rises again.
+    and the lr is 0.0 at construction, for every group. Past ``T`` (and when ``T <= W``) the ratio
+    stays at ``cos_min_ratio``, as in DeepSpeed since PR #8142 (before it, the cosine ran on and the
+    lr rose again, or ``T == W`` divided by zero).
 
     The base lrs are read from the optimizer when the scheduler is built, so build it before
     loading a checkpoint into the optimizer (whose lrs are then mid-schedule), as in DeepSpeed.
@@ -262,9 +272,9 @@ class WarmupCosineLR(DeepSpeedLRScheduler):
         cos_min_ratio: float = 0.0001,
         warmup_type: str = WARMUP_LOG,
     ) -> None:
-        self.total_num_steps = int(total_num_steps)
+        self.total_num_steps = _check_steps("total_num_steps", total_num_steps, minimum=0)
         self.warmup_min_ratio = float(warmup_min_ratio)
-        self.warmup_num_steps = max(2, int(warmup_num_steps))
+        self.warmup_num_steps = max(2, _check_steps("warmup_num_steps", warmup_num_steps, minimum=0))
         self.cos_min_ratio = float(cos_min_ratio)
         self.warmup_type = _check_warmup_type(warmup_type)
         if self.total_num_steps < self.warmup_num_steps:
@@ -296,6 +306,16 @@ class WarmupCosineLR(DeepSpeedLRScheduler):
         return [0.0] * len(self.org_lrs)
 
 
+# Positions that land exactly on a stair boundary can come out a hair below it in floating point
+# (e.g. 2.9999999999999996 stairs); this keeps them on their stair. Far below one step at any size.
+_STAIR_EPS = 1e-9
+
+
+def _stair(position: float, stairs: int) -> float:
+    """``position`` in [0, 1] rounded down to the start of its stair (``stairs`` equal stairs)."""
+    return min(1.0, math.floor(position * stairs + _STAIR_EPS) / stairs)
+
+
 class OneCycle(DeepSpeedLRScheduler):
     """One triangular lr cycle (and an inverse momentum cycle), then decay.
 
@@ -314,8 +334,17 @@ class OneCycle(DeepSpeedLRScheduler):
         mom = cycle_max_mom * (1 + decay_mom_rate * d / decay_step_size)
 
     (lr stays ``cycle_min_lr`` / mom stays ``cycle_max_mom`` when ``decay_step_size`` or the rate is
-    0). At construction lr is ``cycle_min_lr`` and mom ``cycle_min_mom``. The momentum is written to
-    ``betas[0]`` and only for optimizers whose defaults have ``betas``, as DeepSpeed does.
+    0). At construction lr is ``cycle_min_lr`` and mom ``cycle_min_mom`` (DeepSpeed's choice; its
+    curve would give ``cycle_max_mom`` there). The momentum is written to ``betas[0]`` and only for
+    optimizers whose defaults have ``betas``, as DeepSpeed does.
+
+    Stairs: with ``cycle_first_stair_count = n > 0`` the rising half is cut into ``n`` stairs of
+    ``S1 / n`` steps, and lr/mom keep the value of the start of the current stair
+    (``s = floor(n * p) / n`` with ``p = x / (S1 / N)`` the position in the half); likewise for
+    the falling half with ``cycle_second_stair_count`` (which defaults to the first count):
+    ``s = 1 - floor(n * p) / n``. 0 keeps the half continuous. DeepSpeed ignored the stair counts
+    until PR #8179; this follows that PR's tests (n equal to the half's length is the continuous
+    schedule again; the counts act on their own half only).
 
     Args:
         optimizer: The optimizer whose param groups get lr (and betas).
@@ -323,7 +352,8 @@ class OneCycle(DeepSpeedLRScheduler):
         decay_lr_rate: Post-cycle lr decay rate.
         cycle_first_step_size: Steps of the rising half.
         cycle_second_step_size: Steps of the falling half (None: same as the first).
-        cycle_first_stair_count, cycle_second_stair_count: Accepted; no effect (as in DeepSpeed).
+        cycle_first_stair_count: Stairs in the rising half (0: continuous).
+        cycle_second_stair_count: Stairs in the falling half (None: same as the first).
         decay_step_size: Interval of the post-cycle decay (0: no decay).
         cycle_momentum: Cycle ``betas[0]`` inversely to the lr.
         cycle_min_mom, cycle_max_mom: Momentum bounds.
@@ -346,13 +376,19 @@ class OneCycle(DeepSpeedLRScheduler):
         cycle_max_mom: float = 0.9,
         decay_mom_rate: float = 0.0,
     ) -> None:
-        first = float(cycle_first_step_size)
-        second = float(cycle_second_step_size) if cycle_second_step_size is not None else first
+        # A zero-length first half would divide by zero; a zero-length second half is fine.
+        first = float(_check_steps("cycle_first_step_size", cycle_first_step_size, minimum=1))
+        if cycle_second_step_size is None:
+            second = first
+        else:
+            second = float(_check_steps("cycle_second_step_size", cycle_second_step_size, minimum=0))
         self.total_size = first + second
         self.step_ratio = first / self.total_size
-        self.first_stair_count = cycle_first_stair_count
+        self.first_stair_count = _check_steps("cycle_first_stair_count", cycle_first_stair_count, minimum=0)
         self.second_stair_count = (
-            cycle_first_stair_count if cycle_second_stair_count is None else cycle_second_stair_count
+            self.first_stair_count
+            if cycle_second_stair_count is None
+            else _check_steps("cycle_second_stair_count", cycle_second_stair_count, minimum=0)
         )
         self.decay_step_size = decay_step_size
         self.min_lr = float(cycle_min_lr)
@@ -379,7 +415,11 @@ class OneCycle(DeepSpeedLRScheduler):
         cycle = math.floor(1 + batch_iteration / self.total_size)
         x = 1.0 + batch_iteration / self.total_size - cycle
         if x <= self.step_ratio:
+            if self.first_stair_count:
+                return _stair(x / self.step_ratio, self.first_stair_count)
             return x / self.step_ratio
+        if self.second_stair_count:
+            return 1.0 - _stair((x - self.step_ratio) / (1.0 - self.step_ratio), self.second_stair_count)
         return (x - 1) / (self.step_ratio - 1)
 
     def lr_at(self, batch_iteration: int) -> list[float]:
@@ -442,7 +482,7 @@ class LRRangeTest(DeepSpeedLRScheduler):
         lr_range_test_staircase: bool = False,
     ) -> None:
         self.min_lr = float(lr_range_test_min_lr)
-        self.step_size = lr_range_test_step_size
+        self.step_size = _check_steps("lr_range_test_step_size", lr_range_test_step_size, minimum=1)
         self.step_rate = float(lr_range_test_step_rate)
         self.staircase = lr_range_test_staircase
         self._groups = _n_groups(optimizer)

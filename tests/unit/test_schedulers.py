@@ -82,6 +82,21 @@ def test_warmup_lr_clamps_warmup_steps_to_two():
     assert lrs == pytest.approx([0.0, 0.0, 0.01 * math.log(2) / math.log(2), 0.01])
 
 
+def test_warmup_lr_without_max_warms_each_group_to_its_own_lr():
+    # DeepSpeed (PRs #7360, #8171): warmup_max_lr unset -> each group's lr at construction.
+    opt = _adamw(lr=0.1, groups=2)  # group lrs 0.1 and 0.2
+    sched = build_scheduler(
+        SchedulerConfig(type="WarmupLR", params=WarmupLRParams(warmup_max_lr=None, warmup_num_steps=10)), opt
+    )
+    assert [g["lr"] for g in opt.param_groups] == [0.0, 0.0]
+    _drive(opt, sched, 2)
+    assert [g["lr"] for g in opt.param_groups] == pytest.approx(
+        [0.1 * math.log(1 + 1) / math.log(10), 0.2 * math.log(1 + 1) / math.log(10)]
+    )
+    _drive(opt, sched, 10)
+    assert [g["lr"] for g in opt.param_groups] == pytest.approx([0.1, 0.2])
+
+
 # --------------------------------------------------------------------------- WarmupDecayLR
 @pytest.mark.parametrize("warmup_type", ["log", "linear"])
 def test_warmup_decay_lr(warmup_type):
@@ -202,6 +217,39 @@ def test_one_cycle_sgd_cycles_lr_only():
     assert opt.param_groups[0]["momentum"] == 0.9
 
 
+def test_one_cycle_stairs():
+    # Halves of 8 steps, 2 stairs each: the scale factor holds the value at the start of each
+    # 4-step stair. b = it + 1 is the position in the 16-step cycle.
+    params = _one_cycle_params(cycle_first_step_size=8, cycle_second_step_size=8, cycle_first_stair_count=2,
+                               decay_step_size=0)
+    opt, sched = _build("OneCycle", params)
+    lrs = _drive(opt, sched, 16)
+
+    def lr(s):
+        return 0.001 + (0.01 - 0.001) * s
+
+    for b in range(1, 17):
+        if b <= 8:  # rising: s = floor(2 * b / 8) / 2
+            s = math.floor(2 * b / 8) / 2
+        else:  # falling: s = 1 - floor(2 * (b - 8) / 8) / 2
+            s = 1 - math.floor(2 * (b - 8) / 8) / 2
+        s = 0.0 if b == 16 else s  # b == N: the next cycle starts at 0
+        assert lrs[b] == pytest.approx(lr(s)), b
+    assert lrs[1] == lrs[3] == pytest.approx(0.001)  # flat within the first stair
+    assert lrs[4] == pytest.approx(lr(0.5)) and lrs[8] == pytest.approx(0.01)
+    assert lrs[9] == lrs[11] == pytest.approx(0.01)  # the falling half holds the top first
+    assert opt.param_groups[0]["betas"][0] == pytest.approx(0.95)
+
+
+def test_one_cycle_stairs_as_many_as_steps_is_continuous():
+    base = dict(cycle_first_step_size=10, cycle_second_step_size=21, decay_step_size=0)
+    _, continuous = _build("OneCycle", _one_cycle_params(**base))
+    _, stairs = _build("OneCycle", _one_cycle_params(**base, cycle_first_stair_count=10, cycle_second_stair_count=21))
+    for it in range(31):
+        assert stairs.lr_at(it) == pytest.approx(continuous.lr_at(it))
+    assert stairs.lr_at(9) == pytest.approx([0.01])  # the peak is not floored away
+
+
 # --------------------------------------------------------------------------- LRRangeTest
 def test_lr_range_test_continuous():
     params = LRRangeTestParams(lr_range_test_min_lr=0.01, lr_range_test_step_size=4, lr_range_test_step_rate=0.5)
@@ -270,6 +318,22 @@ def test_loads_deepspeed_state_dict():
 )
 def test_auto_left_in_params_raises(kind, params, field):
     with pytest.raises(ValueError, match=f"scheduler.params.{field}"):
+        _build(kind, params)
+
+
+@pytest.mark.parametrize(
+    "kind,params",
+    [
+        ("WarmupLR", WarmupLRParams(warmup_num_steps=-5)),
+        ("WarmupCosineLR", WarmupCosineLRParams(total_num_steps=10, warmup_num_steps=None)),
+        ("LRRangeTest", LRRangeTestParams(lr_range_test_step_size=0)),
+        ("OneCycle", _one_cycle_params(cycle_first_step_size=0)),
+        ("OneCycle", _one_cycle_params(cycle_second_step_size=-1)),
+    ],
+)
+def test_invalid_step_counts_raise(kind, params):
+    # DeepSpeed rejects these too (they would divide by zero or take log of <= 0).
+    with pytest.raises(ValueError, match="must be an integer"):
         _build(kind, params)
 
 
