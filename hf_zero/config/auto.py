@@ -224,6 +224,8 @@ def resolve_auto(
                must_match=not free_batch, fill_absent=True)
         r.fill("gradient_accumulation_steps", accum, f"--gradient_accumulation_steps={accum}", fill_absent=True)
         if ws is not None:
+            # With auto_find_batch_size an explicit micro batch may stay; the total follows it.
+            micro = _int_or_none(r.get("train_micro_batch_size_per_gpu")) or micro
             total = ws * micro * accum
             r.fill("train_batch_size", total,
                    f"world_size x --per_device_train_batch_size x --gradient_accumulation_steps = "
