@@ -8,6 +8,7 @@ group (the Trainer's, or the user's) is always reused.
 
 from __future__ import annotations
 
+import atexit
 import os
 from dataclasses import dataclass
 from datetime import timedelta
@@ -45,6 +46,11 @@ def _pick_device(local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
+def _destroy_if_initialized() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def init_distributed(timeout_s: float = 1800.0) -> DistEnv:
     """Return this process's :class:`DistEnv`, creating the default process group if needed.
 
@@ -69,6 +75,9 @@ def init_distributed(timeout_s: float = 1800.0) -> DistEnv:
             dist.init_process_group(
                 backend=backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout
             )
+        # We made the group, so we tear it down: a gloo group left alive at interpreter exit
+        # aborts the process ("terminate called without an active exception").
+        atexit.register(_destroy_if_initialized)
     else:
         backend = dist.get_backend()
         device = _pick_device(local_rank) if backend != "gloo" else torch.device("cpu")

@@ -155,8 +155,7 @@ class FullyShardedStage:
             reshard_after_forward=self.stage == 3,
             mp_policy=self.precision.fsdp_mp_policy(),
         )
-        # FSDP2 shards fp32 parameters; a model loaded in 16 bit would make its master copy 16 bit.
-        model.to(torch.float32)
+        _set_master_dtypes(model, self.precision)
         self.units = find_wrap_units(model)
         for unit in self.units:
             fully_shard(unit, **kwargs)
@@ -177,6 +176,18 @@ class FullyShardedStage:
 
     def local_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         return optimizer
+
+
+def _set_master_dtypes(model: nn.Module, precision: PrecisionPolicy) -> None:
+    """Trainable parameters become fp32 (the master copy FSDP2 shards and the optimizer updates);
+    frozen ones (a LoRA base model) take the compute dtype, since they are never updated and a
+    fp32 copy would double their memory."""
+    frozen_dtype = precision.compute_dtype
+    for module in model.modules():
+        for name, param in list(module.named_parameters(recurse=False)):
+            dtype = torch.float32 if param.requires_grad else frozen_dtype
+            if param.dtype != dtype and param.is_floating_point():
+                param.data = param.data.to(dtype)
 
 
 def make_stage(zero: ZeroOptimizationConfig, env: DistEnv, precision: PrecisionPolicy) -> Stage:

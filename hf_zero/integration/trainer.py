@@ -148,7 +148,14 @@ class ZeroTrainerMixin:
 
         return make
 
+    @property
+    def zero_enabled(self) -> bool:
+        """True when the arguments carry a zero config (else this is a plain Trainer)."""
+        return getattr(self.args, "parsed_zero_config", None) is not None
+
     def _prepare_for_training(self, max_steps, train_dataloader, resume_from_checkpoint):
+        if not self.zero_enabled:
+            return super()._prepare_for_training(max_steps, train_dataloader, resume_from_checkpoint)
         if self.zero_engine is None:
             self._build_zero_engine(max_steps, for_training=True)
         elif self.zero_engine.optimizer is None:
@@ -169,6 +176,8 @@ class ZeroTrainerMixin:
         return model, train_dataloader
 
     def _wrap_model(self, model: nn.Module, training: bool = True, dataloader=None) -> nn.Module:
+        if not self.zero_enabled:
+            return super()._wrap_model(model, training, dataloader)
         if self.zero_engine is None and not training and self._zero_config().stage >= 2:
             # Evaluation before training: shard now, so no rank holds the whole model.
             self._build_zero_engine(None, for_training=False)
@@ -183,6 +192,8 @@ class ZeroTrainerMixin:
 
     # ------------------------------------------------------------------------------- training
     def training_step(self, model: nn.Module, inputs: dict[str, Any], num_items_in_batch=None) -> torch.Tensor:
+        if self.zero_engine is None:
+            return super().training_step(model, inputs, num_items_in_batch)
         engine = self.zero_engine
         model.train()
         inputs = self._prepare_inputs(inputs)
@@ -205,9 +216,13 @@ class ZeroTrainerMixin:
         return loss.detach()
 
     def _clip_grad_norm(self, model):
+        if self.zero_engine is None:
+            return super()._clip_grad_norm(model)
         return self.zero_engine.clip_grad_norm(self.args.max_grad_norm)
 
     def _get_grad_norm(self, model, grad_norm=None):
+        if self.zero_engine is None:
+            return super()._get_grad_norm(model, grad_norm)
         if grad_norm is None:
             grad_norm = self.zero_engine.clip_grad_norm(0.0)  # norm only
         return float(grad_norm)
@@ -253,6 +268,8 @@ class ZeroTrainerMixin:
     def _save_checkpoint(self, model: nn.Module, trial) -> None:
         """A Trainer checkpoint written into ``checkpoint-N.incomplete`` and renamed to
         ``checkpoint-N`` only when every part is on disk."""
+        if self.zero_engine is None:
+            return super()._save_checkpoint(model, trial)
         from transformers.trainer_callback import ExportableState
         from transformers.trainer_utils import SaveStrategy
         from transformers.trainer import rotate_checkpoints
@@ -300,6 +317,8 @@ class ZeroTrainerMixin:
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: nn.Module | None = None) -> None:
         # Called by train() before the engine exists: only check the folder, so a bad path fails
         # before any work; the state is loaded once the model is sharded (_prepare_for_training).
+        if not self.zero_enabled:
+            return super()._load_from_checkpoint(resume_from_checkpoint, model)
         from hf_zero.checkpoint.sharded import verify_checkpoint
 
         verify_checkpoint(os.path.join(resume_from_checkpoint, ZERO_STATE_DIR))
@@ -310,6 +329,8 @@ class ZeroTrainerMixin:
         load_checkpoint(self.zero_engine, os.path.join(checkpoint, ZERO_STATE_DIR))
 
     def _load_rng_state(self, checkpoint: str | None) -> None:
+        if not self.zero_enabled:
+            return super()._load_rng_state(checkpoint)
         if checkpoint is None:
             return
         from hf_zero.checkpoint.sharded import load_rng_state

@@ -1,0 +1,35 @@
+"""Make an unmodified Trainer script train with hf_zero: swap transformers' classes for ours.
+
+``hf-zero run script.py ...`` calls :func:`use_hf_zero_trainer` in every rank before the script
+runs, so ``from transformers import Trainer, TrainingArguments`` (and subclasses the script
+defines) get the hf_zero versions, and ``--zero_config``/``--deepspeed`` reach hf_zero.
+Without a zero config the swapped classes behave exactly like transformers' own.
+"""
+
+from __future__ import annotations
+
+__all__ = ["use_hf_zero_trainer"]
+
+
+def use_hf_zero_trainer() -> None:
+    """Replace ``Trainer``, ``Seq2SeqTrainer``, ``TrainingArguments`` and
+    ``Seq2SeqTrainingArguments`` in ``transformers`` (top level and their modules) with hf_zero's.
+    Idempotent."""
+    import transformers
+    import transformers.trainer
+    import transformers.trainer_seq2seq
+    import transformers.training_args
+    import transformers.training_args_seq2seq
+
+    from hf_zero.integration.arguments import ZeroSeq2SeqTrainingArguments, ZeroTrainingArguments
+    from hf_zero.integration.trainer import ZeroSeq2SeqTrainer, ZeroTrainer
+
+    swaps = {
+        "Trainer": (ZeroTrainer, transformers.trainer),
+        "Seq2SeqTrainer": (ZeroSeq2SeqTrainer, transformers.trainer_seq2seq),
+        "TrainingArguments": (ZeroTrainingArguments, transformers.training_args),
+        "Seq2SeqTrainingArguments": (ZeroSeq2SeqTrainingArguments, transformers.training_args_seq2seq),
+    }
+    for name, (cls, module) in swaps.items():
+        setattr(transformers, name, cls)
+        setattr(module, name, cls)
