@@ -549,3 +549,18 @@ def test_load_config_resolves_nothing_without_arguments() -> None:
     assert set(cfg.unresolved()) == {"zero_optimization.reduce_bucket_size",
                                      "zero_optimization.prefetch_bucket_size",
                                      "zero_optimization.param_persistence_threshold"}
+
+
+def test_every_accepted_key_is_documented() -> None:
+    from hf_zero.config import parse as P
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "config_reference.md").read_text()
+    for key in [*NO_EFFECT_KEYS, *UNSUPPORTED]:
+        assert f"`{key}`" in doc, key
+    tables = [P._TOP, P._FP16, P._BF16, P._OFFLOAD_OPTIMIZER, P._OFFLOAD_PARAM, P._ZERO, P._AIO, P._ACT_CKPT,
+              P._CHECKPOINT, *P._MONITORS.values(), *P._OPTIMIZER_PARAMS.values(), *P._SCHEDULER_PARAMS.values()]
+    aliases = [P._ZERO_ALIASES, P._AIO_ALIASES, P._TOP_ALIASES, dict.fromkeys(P._ZERO_LEGACY_OFFLOAD)]
+    for key in [k for t in tables for k in t] + [k for a in aliases for k in a]:
+        assert f"{key}`" in doc, key
+    for name in [*P.SCHEDULER_TYPES, "AdamW", "SGD", "Lion", "Lamb"]:
+        assert f"`{name}`" in doc, name
