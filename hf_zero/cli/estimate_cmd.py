@@ -27,6 +27,7 @@ from hf_zero.estimator import (
     PRECISIONS,
     EstimatorError,
     estimate,
+    parse_param_count,
     render_report,
     zero_config_for,
 )
@@ -97,8 +98,8 @@ def _configure(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
          help="attention scores are not stored (flash / memory-efficient SDPA kernels)")
     _add(training, "--no_activations", action="store_true",
          help="model states only (parameters, gradients, optimizer): the ZeRO paper's formulas")
-    _add(training, "--sub_group_size", type=int, default=DEFAULT_SUB_GROUP_SIZE, metavar="N",
-         help="optimizer sub-group elements; sizes the NVMe host buffers (default 1e9)")
+    _add(training, "--sub_group_size", type=_count, default=DEFAULT_SUB_GROUP_SIZE, metavar="N",
+         help="optimizer sub-group elements (1e8, 100M); sizes the NVMe host buffers (default 1e9)")
 
     output = parser.add_argument_group("output")
     _add(output, "--json", action="store_true",
@@ -126,6 +127,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hf-zero estimate", description=_DESCRIPTION,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     return _configure(parser)
+
+
+def _count(text: str) -> int:
+    """argparse type for element counts written like ``1e8`` or ``100M``."""
+    try:
+        return parse_param_count(text)
+    except EstimatorError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _targets(text: str) -> str | list[str]:

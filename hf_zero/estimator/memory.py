@@ -602,6 +602,8 @@ def estimate(
         lora_rank = _positive(lora_rank, "lora_rank")
         layers = lora_target_layers(spec, lora_target_modules)
         lora_targets = tuple(layer.name for layer in layers)
+        if spec.source != "meta-device count":  # layers were synthesized, not read from the model
+            notes.append("LoRA layers assumed Llama-style (separate q/k/v/o and gate/up/down projections)")
         trainable = lora_param_count(layers, lora_rank)
         total_params = spec.total_params + trainable
         per_block: dict[int | None, int] = {}
@@ -665,6 +667,14 @@ def estimate(
         )
         rows.append(Row(choice=choice, speed_rank=speed_rank, gpu=gpu, cpu=cpu, nvme=nvme, fits=not over, over=over))
 
+    if _shard(trainable, ranks) <= sub_group_size:
+        # DeepSpeed's swapper steps one sub-group at a time through OPTIMIZER_NVME_BUFFER_COUNT fp32
+        # buffers; when the whole shard is one sub-group those buffers are as large as CPU offload.
+        notes.append(
+            "NVMe optimizer offload: the host buffers hold a whole optimizer shard because sub_group_size "
+            f"({sub_group_size:,}) >= the shard ({_shard(trainable, ranks):,}); a smaller sub_group_size "
+            "(e.g. 1e8) shrinks them, at some speed"
+        )
     for what, limit in (("GPU", gpu_limit), ("CPU", cpu_limit), ("NVMe", nvme_limit)):
         if limit is None:
             notes.append(f"{what} memory not given: not checked")

@@ -177,9 +177,10 @@ def load_model_spec(
         try:
             count = parse_param_count(text)
         except EstimatorError:
+            hub = " (for a Hub model, download its config.json first)" if "/" in text and not text.startswith((".", "/")) else ""
             raise EstimatorError(
                 f"model {text!r} is neither a directory with a config.json, a config.json file, nor a "
-                "parameter count such as '7e9', '6.7B' or '500M'"
+                f"parameter count such as '7e9', '6.7B' or '500M'{hub}"
             ) from None
         return _spec_from_count(count, text, shape)
     if isinstance(model, Mapping):
@@ -221,7 +222,6 @@ def _spec_from_count(count: int, name: str, shape: dict[str, int | None]) -> Mod
             vocab=vocab,
             tied=False,
         )
-        notes.append("LoRA layers from a bare count assume Llama-style q/k/v/o and gate/up/down projections")
     return ModelSpec(
         total_params=count,
         name=name,
@@ -265,7 +265,10 @@ def _spec_from_path(path: Path, name: str, trust_remote_code: bool) -> ModelSpec
         source = str(path) if path.is_dir() else str(config_file)
         config = AutoConfig.from_pretrained(source, trust_remote_code=trust_remote_code)
     except Exception as exc:  # noqa: BLE001 -- any failure means "use the closed form", reported below
-        return closed_form_spec(raw, name=name, reason=f"transformers could not load the config ({_short(exc)})")
+        reason = f"transformers could not load the config: {_short(exc)}"
+        if raw.get("auto_map") and not trust_remote_code:
+            reason += "; --trust_remote_code would count it exactly with the model's own code"
+        return closed_form_spec(raw, name=name, reason=reason)
     return _spec_from_config(config, raw, name, trust_remote_code)
 
 

@@ -50,7 +50,8 @@ def zero_config_for(
     Args:
         choice: the row (or bare choice) to configure.
         nvme_path: folder on a fast local disk, used when something is offloaded to NVMe.
-        sub_group_size: written for stage 3 (it sizes the NVMe host buffers the estimate assumed).
+        sub_group_size: written for stage 3 and NVMe optimizer offload (it sizes the NVMe host
+            buffers the estimate assumed).
         largest_tensor: elements of the largest parameter; raises ``offload_param.buffer_size`` so
             that tensor fits one swap buffer (DeepSpeed's 1e8 default is smaller than most LM heads).
 
@@ -77,8 +78,9 @@ def zero_config_for(
             "buffer_count": 5,
             "buffer_size": max(PARAM_NVME_BUFFER_SIZE, largest_tensor or 0),
         }
+    if choice.stage == 3 or choice.offload_optimizer == "nvme":
+        zero["sub_group_size"] = sub_group_size  # the NVMe host buffers were sized from it
     if choice.stage == 3:
-        zero["sub_group_size"] = sub_group_size
         zero.update(_STAGE3_KEYS)
     return {**json.loads(json.dumps(_TRAINER_AUTO_KEYS)), "zero_optimization": zero}
 
@@ -198,6 +200,6 @@ def render_report(est: Estimate, *, nvme_path: str = DEFAULT_NVME_PATH) -> str:
 
 def _limits(est: Estimate) -> str:
     gpu = "not checked" if est.gpu_memory is None else f"{format_bytes(est.gpu_memory)} (keeping {format_bytes(est.gpu_reserve)} free)"
-    cpu = "not checked" if est.cpu_memory is None else format_bytes(est.cpu_memory)
-    nvme = "not checked" if est.nvme_memory is None else format_bytes(est.nvme_memory)
-    return f"GPU {gpu}; CPU {cpu} per node; NVMe {nvme} per node"
+    cpu = "not checked" if est.cpu_memory is None else f"{format_bytes(est.cpu_memory)} per node"
+    nvme = "not checked" if est.nvme_memory is None else f"{format_bytes(est.nvme_memory)} per node"
+    return f"GPU {gpu}; CPU {cpu}; NVMe {nvme}"

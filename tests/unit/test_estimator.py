@@ -535,3 +535,24 @@ def test_docstring_examples():
         assert result.failed == 0, module.__name__
         attempted += result.attempted
     assert attempted >= 20
+
+
+def test_nvme_configs_carry_the_sub_group_size_the_estimate_assumed():
+    est = estimate(8_000_000, num_gpus=2, include_activations=False, sub_group_size=1_000_000)
+    row = next(r for r in est.rows if r.choice == ZeroChoice(2, "nvme"))
+    assert row.cpu.buffers == 2 * OPTIMIZER_NVME_BUFFER_COUNT * 1_000_000 * 4  # 2 GPUs on the node
+    assert zero_config_for(row, sub_group_size=1_000_000)["zero_optimization"]["sub_group_size"] == 1_000_000
+    assert "sub_group_size" not in zero_config_for(ZeroChoice(2, "cpu"))["zero_optimization"]
+    assert not any("sub_group_size" in n for n in est.notes)  # shard 4M > sub-group 1M
+    assert any("sub_group_size" in n for n in estimate(8_000_000, include_activations=False).notes)
+
+
+def test_cli_lora_target_list(tmp_path, capsys):
+    config = _tiny_config("llama", False)
+    config.save_pretrained(tmp_path)
+    code = _cli(["--model", str(tmp_path), "--lora-rank", "4", "--lora_target_modules", "q_proj, v_proj"])
+    out = capsys.readouterr().out
+    assert code == 0
+    trainable = 2 * 4 * ((64 + 64) + (64 + 32))  # 2 layers x r x (q: 64->64, v: 64->32)
+    (line,) = [l for l in out.splitlines() if l.strip().startswith("training")]
+    assert f"LoRA r=4 on 4 linear layers (q_proj, v_proj): {trainable:,} (" in line
