@@ -783,7 +783,7 @@ class _Parser:
     def problem(self, key: str, value: Any, issue: str, fix: str | None = None) -> None:
         self.problems.append(format_problem(self.source_of(key), key, value, issue, fix))
 
-    def unknown(self, dotted: str, key: str, candidates: list[str]) -> None:
+    def unknown(self, dotted: str, key: str, candidates: list[str], value: Any = None) -> None:
         close = difflib.get_close_matches(key, candidates, n=1, cutoff=0.6)
         if not close:
             lowered = {c.lower(): c for c in candidates}
@@ -794,7 +794,10 @@ class _Parser:
         else:
             known = ", ".join(sorted(candidates)[:12]) + (", ..." if len(candidates) > 12 else "")
             hint = f"keys known here: {known}"
-        message = f'{self.source_of(dotted)}: unknown key "{dotted}"; {hint} (parse with strict=False to only warn)'
+        shown = show_value(value)
+        shown = shown if len(shown) <= 40 else shown[:37] + "..."
+        message = (f'{self.source_of(dotted)}: unknown key "{dotted}" (value {shown}); {hint} '
+                   "(parse with strict=False to only warn)")
         if self.strict:
             self.problems.append(message)
         else:
@@ -865,7 +868,7 @@ class _Parser:
             if self.special(dotted, value):
                 continue
             candidates = list(fields) + list(aliases) + list(skip) + _children(path, NO_EFFECT_KEYS)
-            self.unknown(dotted, key, candidates)
+            self.unknown(dotted, key, candidates, value)
         return out
 
     # -- whole document ----------------------------------------------------------------------------
@@ -1024,7 +1027,8 @@ class _Parser:
             return None
         for key, value in raw.items():
             if key not in ("type", "params") and not self.special(f"optimizer.{key}", value):
-                self.unknown(f"optimizer.{key}", key, ["type", "params", *_children("optimizer", NO_EFFECT_KEYS)])
+                self.unknown(f"optimizer.{key}", key, ["type", "params", *_children("optimizer", NO_EFFECT_KEYS)],
+                             value)
         type_name = raw.get("type")
         if not isinstance(type_name, str) or not type_name.strip():
             self.problem("optimizer.type", type_name, "is missing or not a string",
@@ -1065,7 +1069,7 @@ class _Parser:
             return None
         for key, value in raw.items():
             if key not in ("type", "params") and not self.special(f"scheduler.{key}", value):
-                self.unknown(f"scheduler.{key}", key, ["type", "params"])
+                self.unknown(f"scheduler.{key}", key, ["type", "params"], value)
         type_name = raw.get("type")
         if type_name not in SCHEDULER_TYPES:
             names = list(SCHEDULER_TYPES)
@@ -1083,8 +1087,10 @@ class _Parser:
                           field_prefix="scheduler.params.")
         for required in _REQUIRED_SCHEDULER_PARAMS.get(type_name, ()):
             if required not in kw and f"scheduler.params.{required}" not in self.explicit:
-                self.problem(f"scheduler.params.{required}", None, f"is required by {type_name}",
-                             f"add {required} to scheduler.params")
+                self.problems.append(
+                    f"{self.source_of('scheduler')}: scheduler.params.{required} is missing but required by "
+                    f"{type_name} (DeepSpeed has no default for it); add it to scheduler.params"
+                )
         params_cls = SCHEDULER_TYPES[type_name]
         return S.SchedulerConfig(type=type_name, params=params_cls(**kw))
 

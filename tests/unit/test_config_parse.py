@@ -366,7 +366,7 @@ def test_scheduler_param_of_another_type() -> None:
 
 def test_one_cycle_requires_its_bounds() -> None:
     message = _error({"scheduler": {"type": "OneCycle", "params": {"cycle_max_lr": 0.1}}})
-    assert "scheduler.params.cycle_min_lr" in message and "is required by OneCycle" in message
+    assert "scheduler.params.cycle_min_lr is missing but required by OneCycle" in message
 
 
 # ------------------------------------------------------------------------------------- validation
