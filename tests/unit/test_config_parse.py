@@ -564,3 +564,56 @@ def test_every_accepted_key_is_documented() -> None:
         assert f"{key}`" in doc, key
     for name in [*P.SCHEDULER_TYPES, "AdamW", "SGD", "Lion", "Lamb"]:
         assert f"`{name}`" in doc, name
+
+
+def test_every_design_key_in_one_config(tmp_path: Path) -> None:
+    """Every key of DESIGN.md's "Config compatibility" list, in one file."""
+    raw = {
+        "train_batch_size": 16, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 4,
+        "gradient_clipping": 1.0, "steps_per_print": 100, "wall_clock_breakdown": False,
+        "communication_data_type": "bfp16", "prescale_gradients": True, "gradient_predivide_factor": 2.0,
+        "fp16": {"enabled": False, "loss_scale": 0, "loss_scale_window": 500, "initial_scale_power": 12,
+                 "hysteresis": 3, "consecutive_hysteresis": True, "min_loss_scale": 0.5, "auto_cast": False},
+        "bf16": {"enabled": True},
+        "optimizer": {"type": "Lamb", "params": {"lr": 1e-3, "max_coeff": 5.0, "min_coeff": 0.1}},
+        "scheduler": {"type": "OneCycle", "params": {"cycle_min_lr": 1e-5, "cycle_max_lr": 1e-3}},
+        "zero_optimization": {
+            "stage": 3,
+            "offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path), "pin_memory": True,
+                                  "buffer_count": 6, "fast_init": False, "ratio": 0.5},
+            "offload_param": {"device": "cpu", "pin_memory": True, "buffer_count": 4, "buffer_size": 1e7,
+                              "max_in_cpu": 1e8},
+            "overlap_comm": False, "contiguous_gradients": True, "reduce_scatter": True,
+            "reduce_bucket_size": 1e7, "allgather_partitions": True, "allgather_bucket_size": 2e7,
+            "round_robin_gradients": False, "sub_group_size": 1e8, "stage3_prefetch_bucket_size": 3e6,
+            "stage3_param_persistence_threshold": 1e4, "stage3_max_live_parameters": 2e8,
+            "stage3_max_reuse_distance": 3e8, "stage3_gather_16bit_weights_on_model_save": False,
+        },
+        "aio": {"block_size": 262144, "queue_depth": 16, "intra_op_parallelism": 4, "single_submit": False,
+                "overlap_events": True, "use_gds": False},
+        "activation_checkpointing": {"partition_activations": True, "cpu_checkpointing": False,
+                                     "contiguous_memory_optimization": False, "number_checkpoints": 4,
+                                     "synchronize_checkpoint_boundary": False, "profile": False},
+        "checkpoint": {"tag_validation": "fail", "load_universal": False, "use_node_local_storage": True,
+                       "parallel_write": {"pipeline_stage": False}},
+        "tensorboard": {"enabled": True, "output_path": "runs/", "job_name": "j"},
+        "wandb": {"enabled": False, "team": "t", "group": "g", "project": "p"},
+        "csv_monitor": {"enabled": False, "output_path": "csv/", "job_name": "j"},
+    }
+    cfg = parse_config(_write(tmp_path, "all.json", raw))
+    z = cfg.zero_optimization
+    assert cfg.communication_data_type == "bf16" and cfg.compute_dtype_name == "bf16"
+    assert (cfg.fp16.initial_scale_power, cfg.fp16.hysteresis, cfg.fp16.min_loss_scale) == (12, 3, 0.5)
+    assert cfg.optimizer.type == "lamb" and cfg.optimizer.max_coeff == 5.0
+    assert cfg.scheduler.params.cycle_max_lr == 1e-3
+    assert z.offload_optimizer.ratio == 0.5 and z.offload_optimizer.buffer_count == 6
+    assert z.offload_param.buffer_size == 10_000_000 and z.offload_param.max_in_cpu == 100_000_000
+    assert (z.prefetch_bucket_size, z.param_persistence_threshold) == (3_000_000, 10_000)
+    assert (z.max_live_parameters, z.max_reuse_distance) == (200_000_000, 300_000_000)
+    assert z.gather_16bit_weights_on_model_save is False and z.overlap_comm is False
+    assert cfg.aio.thread_count == 4 and cfg.checkpoint.tag_validation == "Fail"
+    assert cfg.checkpoint.use_node_local_storage is True and cfg.tensorboard.output_path == "runs/"
+    assert cfg.activation_checkpointing.number_checkpoints == 4
+    assert {"tensorboard", "activation_checkpointing", "aio.queue_depth"} <= set(cfg.no_effect_keys)
+    assert cfg.unresolved() == []
+    assert load_config(cfg, world_size=2).train_batch_size == 16
