@@ -351,7 +351,8 @@ def _spec_from_meta_model(model: Any, config: Any, name: str) -> ModelSpec:
         name=name,
         source="meta-device count",
         hidden_size=hidden,
-        num_layers=len(blocks) or _first(text, "num_layers"),
+        # The text config's layer count, not len(blocks): multimodal models also have vision blocks.
+        num_layers=_first(text, "num_layers") or len(blocks) or None,
         num_heads=heads,
         vocab_size=_first(text, "vocab_size"),
         block_params=max(block_sizes) if block_sizes else None,

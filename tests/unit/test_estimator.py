@@ -556,3 +556,17 @@ def test_cli_lora_target_list(tmp_path, capsys):
     trainable = 2 * 4 * ((64 + 64) + (64 + 32))  # 2 layers x r x (q: 64->64, v: 64->32)
     (line,) = [l for l in out.splitlines() if l.strip().startswith("training")]
     assert f"LoRA r=4 on 4 linear layers (q_proj, v_proj): {trainable:,} (" in line
+
+
+def test_estimator_imports_no_torch_for_arithmetic():
+    """Pure arithmetic: importing the estimator (and estimating a bare count) loads neither torch nor its
+    distributed package; torch is imported only to read a config."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; from hf_zero.estimator import estimate_memory; estimate_memory('7e9', num_gpus=8); "
+        "print('torch' in sys.modules, 'torch.distributed' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["False", "False"]
