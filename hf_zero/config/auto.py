@@ -213,7 +213,7 @@ def resolve_auto(
     r = _Resolver(cfg)
     args = training_args
     ws = world_size if world_size is not None else _int_or_none(getattr(args, "world_size", None))
-    batch_mismatch_before = 0
+    batch_ok = True  # no batch-size mismatch reported: the DeepSpeed arithmetic check is meaningful
 
     if args is not None:
         micro = args.per_device_train_batch_size
@@ -224,30 +224,33 @@ def resolve_auto(
                must_match=not free_batch, fill_absent=True)
         r.fill("gradient_accumulation_steps", accum, f"--gradient_accumulation_steps={accum}", fill_absent=True)
         if ws is not None:
-            # With auto_find_batch_size an explicit micro batch may stay; the total follows it.
-            micro = _int_or_none(r.get("train_micro_batch_size_per_gpu")) or micro
+            if free_batch:
+                # With auto_find_batch_size an explicit micro batch may stay; the total follows it.
+                micro = _int_or_none(r.get("train_micro_batch_size_per_gpu")) or micro
             total = ws * micro * accum
             r.fill("train_batch_size", total,
                    f"world_size x --per_device_train_batch_size x --gradient_accumulation_steps = "
                    f"{ws} x {micro} x {accum} = {total}",
                    must_match=not free_batch, fill_absent=True)
-        batch_mismatch_before = len(r.problems)
+        batch_ok = not r.problems
 
-        r.fill("gradient_clipping", args.max_grad_norm, f"--max_grad_norm={args.max_grad_norm}")
+        clip = float(args.max_grad_norm)
+        r.fill("gradient_clipping", clip, f"--max_grad_norm={clip}")
         fp16 = bool(args.fp16 or getattr(args, "fp16_full_eval", False))
         bf16 = bool(args.bf16 or getattr(args, "bf16_full_eval", False))
         r.fill("fp16.enabled", fp16, f"--fp16={str(fp16).lower()}", fill_absent=True)
         r.fill("bf16.enabled", bf16, f"--bf16={str(bf16).lower()}", fill_absent=True)
 
         if cfg.optimizer is not None:
-            lr = args.learning_rate
+            lr, eps, wd = float(args.learning_rate), float(args.adam_epsilon), float(args.weight_decay)
+            betas = (float(args.adam_beta1), float(args.adam_beta2))
             r.fill("optimizer.lr", lr, f"--learning_rate={lr}")
-            betas = (args.adam_beta1, args.adam_beta2)
             r.fill("optimizer.betas", betas, f"--adam_beta1, --adam_beta2={betas[0]}, {betas[1]}")
-            r.fill("optimizer.eps", args.adam_epsilon, f"--adam_epsilon={args.adam_epsilon}")
-            r.fill("optimizer.weight_decay", args.weight_decay, f"--weight_decay={args.weight_decay}")
+            r.fill("optimizer.eps", eps, f"--adam_epsilon={eps}")
+            r.fill("optimizer.weight_decay", wd, f"--weight_decay={wd}")
         if cfg.scheduler is not None:
-            r.fill("scheduler.params.warmup_max_lr", args.learning_rate, f"--learning_rate={args.learning_rate}")
+            lr = float(args.learning_rate)
+            r.fill("scheduler.params.warmup_max_lr", lr, f"--learning_rate={lr}")
         if getattr(args, "save_on_each_node", False):
             # As transformers: node-local disks need one checkpoint copy per node.
             r.updates["checkpoint.use_node_local_storage"] = True
@@ -264,7 +267,7 @@ def resolve_auto(
                        f"--warmup_steps (for {num_training_steps} training steps)={warmup}")
 
     _resolve_hidden_size(r, model_config)
-    if len(r.problems) == batch_mismatch_before:
+    if batch_ok:
         _derive_batch(r, ws)
 
     if r.get("fp16.enabled") is True and r.get("bf16.enabled") is True:

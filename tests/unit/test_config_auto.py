@@ -269,3 +269,24 @@ def test_real_training_arguments(tmp_path: Path) -> None:
 
     with pytest.raises(ZeroConfigError, match=r"train_micro_batch_size_per_gpu=4 but --per_device_train_batch_size=2"):
         load_config({"train_micro_batch_size_per_gpu": 4}, args)
+
+
+def test_unrelated_mismatch_does_not_hide_the_batch_arithmetic() -> None:
+    with pytest.raises(ZeroConfigError) as info:
+        load_config({"train_batch_size": 100, "gradient_clipping": 2.0},
+                    FakeArgs(per_device_train_batch_size=4, world_size=2, max_grad_norm=1.0))
+    problems = info.value.problems
+    assert len(problems) == 2
+    assert "gradient_clipping=2.0 but --max_grad_norm=1.0" in problems[1]
+    assert "train_batch_size=100 but world_size x --per_device_train_batch_size x" in problems[0]
+
+
+def test_batch_mismatch_is_reported_once() -> None:
+    with pytest.raises(ZeroConfigError) as info:
+        load_config({"train_batch_size": 16, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2},
+                    FakeArgs(per_device_train_batch_size=2, gradient_accumulation_steps=2, world_size=2))
+    problems = info.value.problems
+    # the micro batch contradicts the Trainer; the total (2 x 2 x 2 = 8) contradicts 16 as well
+    assert len(problems) == 2
+    assert "train_micro_batch_size_per_gpu=4 but --per_device_train_batch_size=2" in problems[0]
+    assert "= 2 x 2 x 2 = 8" in problems[1]
