@@ -13,7 +13,18 @@ from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
-__all__ = ["ZeroConfig", "ZeroConfigError", "ZeroEngine", "initialize", "load_config", "__version__"]
+__all__ = [
+    "ZeroConfig",
+    "ZeroConfigError",
+    "ZeroEngine",
+    "ZeroSeq2SeqTrainer",
+    "ZeroTrainer",
+    "ZeroTrainingArguments",
+    "estimate_memory",
+    "initialize",
+    "load_config",
+    "__version__",
+]
 
 # Lazy attributes keep `import hf_zero` (and `hf-zero config check`) fast: no torch import until needed.
 _LAZY = {
@@ -22,6 +33,10 @@ _LAZY = {
     "load_config": ("hf_zero.config", "load_config"),
     "ZeroEngine": ("hf_zero.engine.engine", "ZeroEngine"),
     "initialize": ("hf_zero.engine.initialize", "initialize"),
+    "estimate_memory": ("hf_zero.estimator", "estimate_memory"),
+    "ZeroTrainer": ("hf_zero.integration.trainer", "ZeroTrainer"),
+    "ZeroSeq2SeqTrainer": ("hf_zero.integration.trainer", "ZeroSeq2SeqTrainer"),
+    "ZeroTrainingArguments": ("hf_zero.integration.arguments", "ZeroTrainingArguments"),
 }
 
 if TYPE_CHECKING:
@@ -30,6 +45,9 @@ if TYPE_CHECKING:
     from hf_zero.config.schema import ZeroConfig
     from hf_zero.engine.engine import ZeroEngine
     from hf_zero.engine.initialize import initialize
+    from hf_zero.estimator import estimate_memory
+    from hf_zero.integration.arguments import ZeroTrainingArguments
+    from hf_zero.integration.trainer import ZeroSeq2SeqTrainer, ZeroTrainer
 
 
 def __getattr__(name: str) -> Any:

@@ -79,10 +79,10 @@ def init_distributed(timeout_s: float = 1800.0) -> DistEnv:
         # aborts the process ("terminate called without an active exception").
         atexit.register(_destroy_if_initialized)
     else:
-        backend = dist.get_backend()
-        device = _pick_device(local_rank) if backend != "gloo" else torch.device("cpu")
-        if backend != "gloo" and device.type != "cuda":
-            raise RuntimeError(f"process group uses backend {backend!r} but no CUDA device is visible")
+        # Someone else (accelerate, the user) made the group; it may be a multi-backend group
+        # ("cpu:gloo,cuda:nccl", reported as "undefined"), so the device follows CUDA availability.
+        backend = str(dist.get_backend())
+        device = torch.device("cpu") if backend == "gloo" else _pick_device(local_rank)
     return DistEnv(
         rank=dist.get_rank(),
         world_size=dist.get_world_size(),

@@ -1,0 +1,53 @@
+"""Run example scripts as subprocesses: plain python, or through ``hf-zero run`` on N CPU ranks."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+FINETUNE = "examples/finetune_qwen/finetune.py"
+
+
+def run(cmd: list[str], *, expect_ok: bool = True, timeout: float = 600) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=env, timeout=timeout)
+    if expect_ok and proc.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)} exited {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+    return proc
+
+
+def python_script(script: str, *args: str, **kw) -> subprocess.CompletedProcess:
+    return run([sys.executable, script, *args], **kw)
+
+
+def hf_zero_run(nproc: int, script: str, *args: str, **kw) -> subprocess.CompletedProcess:
+    return run([sys.executable, "-m", "hf_zero.cli.main", "run", "--nproc_per_node", str(nproc), script, *args], **kw)
+
+
+def logged_losses(output_dir: Path) -> list[float]:
+    """Per-step training losses from the Trainer's trainer_state.json (written by save_state)."""
+    state = json.loads((Path(output_dir) / "trainer_state.json").read_text())
+    return [h["loss"] for h in state["log_history"] if "loss" in h]
+
+
+def write_config(path: Path, config: dict) -> Path:
+    path.write_text(json.dumps(config, indent=1))
+    return path
+
+
+def zero_config(stage: int, **extra) -> dict:
+    """A DeepSpeed-style config with "auto" everywhere the HF integration allows it."""
+    return {
+        "train_micro_batch_size_per_gpu": "auto",
+        "train_batch_size": "auto",
+        "gradient_accumulation_steps": "auto",
+        "gradient_clipping": "auto",
+        "bf16": {"enabled": "auto"},
+        "fp16": {"enabled": "auto"},
+        "zero_optimization": {"stage": stage, "reduce_bucket_size": "auto"},
+        **extra,
+    }
