@@ -249,12 +249,12 @@ class ZeroTrainerMixin:
                     output_dir, ZERO_STATE_DIR, output_dir,
                 )
             return
-        only_trainable = _is_peft_model(self.model)
-        state = gather_full_state_dict(
-            self.model,
-            dtype=engine.precision.compute_dtype,
-            only_trainable=only_trainable,
-        )
+        key_filter = None
+        if _is_peft_model(self.model):
+            # The adapter is all that is written; gathering the frozen base would cost a full copy.
+            trainable = {n for n, p in self.model.named_parameters() if p.requires_grad}
+            key_filter = trainable.__contains__
+        state = gather_full_state_dict(self.model, dtype=engine.precision.compute_dtype, state_dict_filter=key_filter)
         if self.args.should_save:
             self._save(output_dir, state_dict=state)
         if dist.is_initialized():
@@ -319,9 +319,11 @@ class ZeroTrainerMixin:
         # before any work; the state is loaded once the model is sharded (_prepare_for_training).
         if not self.zero_enabled:
             return super()._load_from_checkpoint(resume_from_checkpoint, model)
-        from hf_zero.checkpoint.sharded import verify_checkpoint
+        from hf_zero.checkpoint.sharded import read_marker
 
-        verify_checkpoint(os.path.join(resume_from_checkpoint, ZERO_STATE_DIR))
+        if not os.path.isdir(resume_from_checkpoint):
+            raise FileNotFoundError(f"resume_from_checkpoint: {resume_from_checkpoint} does not exist")
+        read_marker(os.path.join(resume_from_checkpoint, ZERO_STATE_DIR))
 
     def _load_zero_checkpoint(self, checkpoint: str) -> None:
         from hf_zero.checkpoint.sharded import load_checkpoint
