@@ -1,0 +1,193 @@
+"""Turn a sharded hf_zero checkpoint into safetensors that ``from_pretrained`` loads, offline.
+
+Runs in one CPU process with no process group and no GPU (``hf-zero consolidate CKPT OUT``): it
+reads the DCP metadata, then reads the model's tensors shard file by shard file (memory peaks at
+about one output shard, ``max_shard_size``), casts them, and writes ``model.safetensors`` or
+``model-0000i-of-0000N.safetensors`` + ``model.safetensors.index.json``. The config, generation
+config, tokenizer and remote-code files found in the checkpoint directory are copied, so the output
+is a complete model directory. A checkpoint of a peft model consolidates to its adapter
+(``adapter_model.safetensors`` + ``adapter_config.json``).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import os
+import shutil
+import warnings
+from typing import Any
+
+import torch
+
+from hf_zero.checkpoint.export16 import (
+    ADAPTER_CONFIG_NAME,
+    ADAPTER_WEIGHTS_NAME,
+    WEIGHTS_INDEX_NAME,
+    WEIGHTS_NAME,
+    make_temp_dir,
+    plan_shards,
+    resolve_dtype,
+    write_json,
+    write_safetensors,
+)
+from hf_zero.checkpoint.sharded import CheckpointError, read_marker
+
+__all__ = ["consolidate_checkpoint", "COPIED_FILE_PATTERNS"]
+
+# Files of a model directory that are not weights: copied from the checkpoint when present.
+COPIED_FILE_PATTERNS = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer*",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.*",
+    "merges.txt",
+    "*.model",
+    "*.tiktoken",
+    "chat_template.*",
+    "preprocessor_config.json",
+    "processor_config.json",
+    "configuration_*.py",
+    "modeling_*.py",
+    "tokenization_*.py",
+)
+_MODULE_PREFIX = "module."
+
+
+def consolidate_checkpoint(
+    checkpoint_dir: str | os.PathLike,
+    output_dir: str | os.PathLike,
+    *,
+    dtype: str | torch.dtype = "fp32",
+    max_shard_size: int | str = "5GB",
+    progress: bool = True,
+) -> list[str]:
+    """Write the model weights of a sharded checkpoint as a ``from_pretrained`` directory.
+
+    Args:
+        checkpoint_dir: a directory written by :func:`hf_zero.checkpoint.sharded.save_checkpoint`.
+        output_dir: where to write; must not exist or be empty. Written into a temporary
+            directory next to it and renamed, so an interrupted run leaves no partial output.
+        dtype: ``"fp32"`` (the fp32 master weights, exact), ``"bf16"`` or ``"fp16"``.
+        max_shard_size: largest output file (``"5GB"``, ``"500MB"`` or bytes).
+        progress: show a tqdm bar over the tensors.
+
+    Returns:
+        The file names written into ``output_dir``.
+
+    Raises:
+        FileNotFoundError: ``checkpoint_dir`` does not exist.
+        IncompleteCheckpointError: the checkpoint has no marker (its save did not finish).
+        FileExistsError: ``output_dir`` exists and is not empty.
+        CheckpointError: the checkpoint lacks tensors its marker lists.
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+    from tqdm.auto import tqdm
+
+    src = os.path.abspath(os.fspath(checkpoint_dir))
+    out = os.path.abspath(os.fspath(output_dir))
+    target = resolve_dtype(dtype)
+    info = read_marker(src)
+    if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
+        raise FileExistsError(f"output directory {out} exists and is not empty; choose a new one")
+
+    reader = dcp.FileSystemReader(src)
+    metadata = reader.read_metadata()
+    stored: dict[str, TensorStorageMetadata] = {
+        k[len(_MODULE_PREFIX):]: v
+        for k, v in metadata.state_dict_metadata.items()
+        if k.startswith(_MODULE_PREFIX) and isinstance(v, TensorStorageMetadata)
+    }
+    names = list(info.get("params") or stored)
+    missing = [n for n in names if n not in stored]
+    if missing:
+        raise CheckpointError(f"{src}: the marker lists tensors the DCP data lacks: {', '.join(missing[:5])}")
+    dropped = {n for group in info.get("tied") or [] for n in group[1:]}
+    adapter_keys: dict[str, str] | None = info.get("peft_adapter_keys")
+    if adapter_keys is not None:
+        names = [n for n in names if n in adapter_keys]
+        out_key = lambda n: adapter_keys[n]  # noqa: E731
+        weights_name = ADAPTER_WEIGHTS_NAME
+        max_shard_size = 1 << 62  # peft loads one adapter file
+    else:
+        out_key = lambda n: n  # noqa: E731
+        weights_name = WEIGHTS_NAME
+    names = [n for n in names if n not in dropped]
+
+    def out_dtype(n: str) -> torch.dtype:
+        saved = stored[n].properties.dtype
+        return target if target is not None and saved.is_floating_point else saved
+
+    def numel(n: str) -> int:
+        count = 1
+        for d in stored[n].size:
+            count *= d
+        return count
+
+    plan = plan_shards(
+        {out_key(n): numel(n) * out_dtype(n).itemsize for n in names},
+        max_shard_size,
+        weights_name=weights_name,
+        total_parameters=sum(numel(n) for n in names),
+    )
+    source_of = {out_key(n): n for n in names}
+
+    tmp = make_temp_dir(out)
+    try:
+        bar = tqdm(total=len(names), desc="Consolidating", unit="tensor", disable=not progress)
+        for filename, keys in plan.files.items():
+            # Read one output shard's tensors per DCP load: bounded memory, few passes over the files.
+            request = {
+                _MODULE_PREFIX + source_of[k]: torch.empty(
+                    tuple(stored[source_of[k]].size), dtype=stored[source_of[k]].properties.dtype
+                )
+                for k in keys
+            }
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # "torch.distributed is disabled ... single process"
+                dcp.load(request, storage_reader=dcp.FileSystemReader(src), no_dist=True)
+            shard = {}
+            for k in keys:
+                shard[k] = request.pop(_MODULE_PREFIX + source_of[k]).to(out_dtype(source_of[k]))
+                bar.update(1)
+            write_safetensors(os.path.join(tmp, filename), shard)
+            del shard, request
+        bar.close()
+        written = list(plan.files)
+        if plan.index is not None:
+            write_json(os.path.join(tmp, WEIGHTS_INDEX_NAME), plan.index)
+            written.append(WEIGHTS_INDEX_NAME)
+        written += _copy_model_files(src, tmp, adapter=adapter_keys is not None, dtype=target)
+        if os.path.isdir(out):
+            os.rmdir(out)  # empty (checked above)
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return written
+
+
+def _copy_model_files(src: str, dst: str, *, adapter: bool, dtype: torch.dtype | None) -> list[str]:
+    patterns = (ADAPTER_CONFIG_NAME,) if adapter else COPIED_FILE_PATTERNS
+    copied = []
+    for name in sorted(os.listdir(src)):
+        path = os.path.join(src, name)
+        if os.path.isfile(path) and any(fnmatch.fnmatch(name, p) for p in patterns):
+            shutil.copy2(path, os.path.join(dst, name))
+            copied.append(name)
+    if not adapter and dtype is not None and "config.json" in copied:
+        _set_config_dtype(os.path.join(dst, "config.json"), dtype)
+    return copied
+
+
+def _set_config_dtype(path: str, dtype: torch.dtype) -> None:
+    """Record the written dtype in config.json, as ``save_pretrained`` does."""
+    import json
+
+    with open(path, encoding="utf-8") as f:
+        config: dict[str, Any] = json.load(f)
+    config["dtype"] = str(dtype).removeprefix("torch.")
+    config.pop("torch_dtype", None)
+    write_json(path, config)

@@ -1,0 +1,494 @@
+"""Resumable sharded checkpoints of a ``ZeroEngine`` with ``torch.distributed.checkpoint`` (DCP).
+
+A checkpoint directory holds::
+
+    .metadata, __<rank>_<i>.distcp      DCP: model, optimizer, lr scheduler, loss scaler, counters
+    hf_zero_rng_<rank>.pth              each rank's RNG states (python, numpy, torch CPU, CUDA)
+    hf_zero_extra_state.json            the caller's ``extra_state`` (rank 0), when given
+    config.json, generation_config.json the model's config (lets ``hf-zero consolidate`` output load)
+    adapter_config.json                 for a peft model
+    hf_zero_checkpoint.json             the marker: written last; without it the checkpoint is incomplete
+
+Model and optimizer entries are keyed by parameter name (FQN); at stages 2/3 they are DTensors, so
+DCP reshards them when the world size changes. At stage 1 each rank's optimizer only has state for
+the parameters it owns (``ZeroRedundancyOptimizer``); each rank writes the per-FQN entries it owns
+and the param groups are written from the global optimizer (all parameter names), so the optimizer
+state is rank-independent and any world size reads back the FQNs it owns then.
+
+Saves are atomic: everything is written into ``<checkpoint_dir>.tmp-<id>`` and the directory is
+renamed to its final name once the marker is written (when ``checkpoint_dir`` already exists, e.g.
+because the Trainer saved its files there first, the files are moved in instead, marker last).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import random
+import shutil
+import time
+import uuid
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from hf_zero.checkpoint.export16 import (
+    ADAPTER_CONFIG_NAME,
+    _save_model_config,
+    peft_adapter_key_map,
+    tied_groups,
+    unwrap_model,
+)
+
+__all__ = [
+    "CheckpointError",
+    "IncompleteCheckpointError",
+    "MARKER_NAME",
+    "FORMAT_VERSION",
+    "save_checkpoint",
+    "load_checkpoint",
+    "read_marker",
+]
+
+logger = logging.getLogger("hf_zero")
+
+MARKER_NAME = "hf_zero_checkpoint.json"
+EXTRA_STATE_NAME = "hf_zero_extra_state.json"
+RNG_NAME = "hf_zero_rng_{rank}.pth"
+FORMAT_NAME = "hf_zero.sharded"
+FORMAT_VERSION = 1
+# Files DCP writes; with ours they are what a new save replaces in an existing directory.
+_DCP_METADATA = ".metadata"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint cannot be saved or loaded; the message names the path and what to do."""
+
+
+class IncompleteCheckpointError(CheckpointError, FileNotFoundError):
+    """The directory exists but has no marker: its save did not finish."""
+
+
+# ----------------------------------------------------------------------------------------------- ranks
+def _rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _world() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def _broadcast(obj: Any) -> Any:
+    if _world() == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _agree(error: BaseException | None, what: str) -> None:
+    """Raise on every rank when ``what`` failed on any rank, so no rank waits in a later collective."""
+    if _world() > 1:
+        messages: list[str | None] = [None] * _world()
+        dist.all_gather_object(messages, None if error is None else f"{type(error).__name__}: {error}")
+    else:
+        messages = [None if error is None else repr(error)]
+    if error is not None:
+        raise error
+    for rank, message in enumerate(messages):
+        if message is not None:
+            raise CheckpointError(f"{what} failed on rank {rank}: {message}")
+
+
+@contextlib.contextmanager
+def _dcp_errors(what: str) -> Iterator[None]:
+    """DCP's ``CheckpointException`` (a BaseException holding tracebacks) as a short CheckpointError."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        yield
+    except CheckpointException as exc:
+        failures = "; ".join(
+            f"rank {rank}: {type(pair[0]).__name__}: {pair[0]}" for rank, pair in sorted(exc.failures.items())
+        )
+        raise CheckpointError(f"{what} failed on {failures}") from exc
+
+
+# ----------------------------------------------------------------------------------------------- optimizer form
+def _param_fqns(module: nn.Module) -> dict[int, str]:
+    """``id(param) -> name`` (first name of a tied parameter, as DCP's state-dict helpers use)."""
+    names: dict[int, str] = {}
+    for name, param in module.named_parameters():
+        names.setdefault(id(param), name)
+    return names
+
+
+def _global_param_groups(engine: Any, module: nn.Module, local_groups: list[dict]) -> list[dict]:
+    """Param groups naming every parameter, from the optimizer the engine steps.
+
+    At stage 1 the local optimizer only lists the parameters this rank owns; the
+    ``ZeroRedundancyOptimizer`` around it has the global groups (its hyperparameters are synced
+    from the local optimizer after each step). Elsewhere the local groups are already global.
+    """
+    optimizer = engine.optimizer
+    local = engine.stage.local_optimizer(optimizer)
+    if local is optimizer:
+        return local_groups
+    fqns = _param_fqns(module)
+    return [
+        {**{k: v for k, v in group.items() if k != "params"}, "params": [fqns[id(p)] for p in group["params"]]}
+        for group in optimizer.param_groups
+    ]
+
+
+def _restore_param_groups(engine: Any, module: nn.Module, template: list[dict], saved: list[dict]) -> list[dict]:
+    """Saved hyperparameters on this rank's groups; the global stage-1 groups get them too.
+
+    Groups are matched by parameter name (a group's params are its identity), falling back to
+    the position for groups that own no parameters on this rank.
+    """
+    group_of: dict[str, int] = {}
+    for i, group in enumerate(saved):
+        for name in group["params"]:
+            group_of[name] = i
+
+    def hyper(names: list[str], position: int) -> dict:
+        index = next((group_of[n] for n in names if n in group_of), position if position < len(saved) else None)
+        if index is None:
+            return {}
+        return {k: v for k, v in saved[index].items() if k != "params"}
+
+    restored = [{**group, **hyper(list(group["params"]), i)} for i, group in enumerate(template)]
+    optimizer = engine.optimizer
+    local = engine.stage.local_optimizer(optimizer)
+    if local is not optimizer:
+        # ZeroRedundancyOptimizer copies its global groups' hyperparameters into the local optimizer
+        # before every step, so the loaded learning rate etc. must be set there too.
+        fqns = _param_fqns(module)
+        for i, group in enumerate(optimizer.param_groups):
+            group.update(hyper([fqns[id(p)] for p in group["params"]], i))
+    return restored
+
+
+# ----------------------------------------------------------------------------------------------- rng
+def _rng_state() -> dict[str, Any]:
+    import numpy as np
+
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    state: dict[str, Any] = {
+        "python": random.getstate(),
+        # numpy's key array as a tensor so the file loads with weights_only=True.
+        "numpy": {"kind": kind, "keys": torch.from_numpy(keys.astype("int64")), "pos": int(pos),
+                  "has_gauss": int(has_gauss), "cached_gaussian": float(cached)},
+        "cpu": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    import numpy as np
+
+    random.setstate(state["python"])
+    n = state["numpy"]
+    np.random.set_state((n["kind"], n["keys"].numpy().astype("uint32"), n["pos"], n["has_gauss"], n["cached_gaussian"]))
+    torch.set_rng_state(state["cpu"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+# ----------------------------------------------------------------------------------------------- marker
+def read_marker(checkpoint_dir: str | os.PathLike) -> dict[str, Any]:
+    """The marker of a complete checkpoint.
+
+    Raises:
+        FileNotFoundError: ``checkpoint_dir`` does not exist.
+        IncompleteCheckpointError: it has no marker (its save was interrupted), or not a readable one.
+    """
+    path = os.path.abspath(os.fspath(checkpoint_dir))
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"checkpoint directory {path} does not exist")
+    marker = os.path.join(path, MARKER_NAME)
+    if not os.path.isfile(marker):
+        raise IncompleteCheckpointError(
+            f"{path} is not a complete hf_zero checkpoint: {MARKER_NAME} is missing (the save that wrote it "
+            "did not finish, or it is not an hf_zero checkpoint); resume from an earlier checkpoint"
+        )
+    try:
+        with open(marker, encoding="utf-8") as f:
+            info = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise IncompleteCheckpointError(f"{marker} cannot be read ({exc}); the checkpoint is incomplete") from exc
+    if info.get("format") != FORMAT_NAME or int(info.get("format_version", 0)) > FORMAT_VERSION:
+        raise CheckpointError(
+            f"{marker}: format {info.get('format')!r} version {info.get('format_version')!r} is not one this "
+            f"hf_zero reads ({FORMAT_NAME!r} up to version {FORMAT_VERSION}); upgrade hf_zero"
+        )
+    return info
+
+
+def _model_entries(module: nn.Module) -> dict[str, dict[str, Any]]:
+    """``{key: {"shape", "dtype"}}`` of the model's state dict (full shapes, also for DTensors)."""
+    entries = {}
+    for name, value in module.state_dict(keep_vars=True).items():
+        if isinstance(value, torch.Tensor):
+            entries[name] = {"shape": list(value.shape), "dtype": str(value.dtype).removeprefix("torch.")}
+    return entries
+
+
+def _check_model_matches(info: dict[str, Any], module: nn.Module, path: str) -> None:
+    saved = {k: tuple(v["shape"]) for k, v in info.get("params", {}).items()}
+    current = {k: tuple(v["shape"]) for k, v in _model_entries(module).items()}
+    missing = sorted(set(current) - set(saved))
+    unexpected = sorted(set(saved) - set(current))
+    wrong = sorted(k for k in set(saved) & set(current) if saved[k] != current[k])
+    if missing or unexpected or wrong:
+        lines = [f"{path} was saved from a different model:"]
+        if missing:
+            lines.append(f"  not in the checkpoint ({len(missing)}): {', '.join(missing[:5])}")
+        if unexpected:
+            lines.append(f"  not in this model ({len(unexpected)}): {', '.join(unexpected[:5])}")
+        for k in wrong[:5]:
+            lines.append(f"  {k}: shape {list(saved[k])} in the checkpoint, {list(current[k])} here")
+        raise CheckpointError("\n".join(lines))
+
+
+# ----------------------------------------------------------------------------------------------- save
+def save_checkpoint(engine: Any, checkpoint_dir: str | os.PathLike, *, extra_state: dict | None = None) -> None:
+    """Save the engine's full training state so a run can resume, on any world size.
+
+    Every rank must call it. Writes model, optimizer (sharded as trained), lr scheduler, loss
+    scaler, step counters, every rank's RNG states and ``extra_state`` into ``checkpoint_dir``.
+
+    Args:
+        engine: the ``ZeroEngine``.
+        checkpoint_dir: final directory (on a filesystem every rank sees). If it exists, its other
+            files (e.g. the Trainer's) are kept and the checkpoint's own files are replaced.
+        extra_state: JSON-serialisable state of the caller (rank 0's is saved), returned by
+            :func:`load_checkpoint`.
+
+    Raises:
+        CheckpointError: the save failed on some rank (raised on every rank; no final directory
+            or marker is left behind).
+        TypeError: ``extra_state`` is not JSON-serialisable.
+    """
+    import torch.distributed.checkpoint as dcp
+
+    rank = _rank()
+    final = os.path.abspath(os.fspath(checkpoint_dir))
+    extra_json = json.dumps(extra_state, indent=2, sort_keys=True) if extra_state is not None else None
+    tmp = f"{final}.tmp-{_broadcast(uuid.uuid4().hex[:12])}"
+    module = unwrap_model(engine)
+    started = time.perf_counter()
+
+    error: BaseException | None = None
+    if rank == 0:
+        try:
+            _remove_stale_temp_dirs(final)
+            os.makedirs(tmp)
+        except BaseException as exc:
+            error = exc
+    _agree(error, f"creating {tmp}")
+
+    try:
+        try:
+            state = _portable_state(engine, module)
+        except BaseException as exc:
+            error = exc
+        _agree(error, "collecting the engine state")
+        # DCP agrees on errors across ranks itself (it raises CheckpointException everywhere).
+        with _dcp_errors(f"writing {final}"):
+            dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp))
+        del state
+        try:
+            torch.save(_rng_state(), os.path.join(tmp, RNG_NAME.format(rank=rank)))
+        except BaseException as exc:
+            error = exc
+        _agree(error, "saving RNG states")
+        if rank == 0:
+            try:
+                _finish_save(engine, module, tmp, final, extra_json)
+            except BaseException as exc:
+                error = exc
+        _agree(error, f"finishing {final}")
+    except BaseException:
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if rank == 0:
+        logger.info("hf_zero: saved checkpoint %s in %.1f s", final, time.perf_counter() - started)
+
+
+def _portable_state(engine: Any, module: nn.Module) -> dict[str, Any]:
+    state = engine.state_dict()
+    if "optimizer" in state and engine.optimizer is not None:
+        state["optimizer"] = {
+            "state": state["optimizer"]["state"],
+            "param_groups": _global_param_groups(engine, module, state["optimizer"]["param_groups"]),
+        }
+    return state
+
+
+def _remove_stale_temp_dirs(final: str) -> None:
+    """Temporary directories of earlier saves to the same name that were killed mid-way."""
+    parent, base = os.path.split(final)
+    if not os.path.isdir(parent):
+        os.makedirs(parent, exist_ok=True)
+        return
+    for name in os.listdir(parent):
+        if name.startswith(base + ".tmp-") or name.startswith(base + ".old-"):
+            shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
+
+
+def _checkpoint_files(names: list[str]) -> list[str]:
+    return [
+        n for n in names
+        if n.endswith(".distcp") or n in (_DCP_METADATA, EXTRA_STATE_NAME, MARKER_NAME)
+        or (n.startswith("hf_zero_rng_") and n.endswith(".pth"))
+    ]
+
+
+def _finish_save(engine: Any, module: nn.Module, tmp: str, final: str, extra_json: str | None) -> None:
+    if extra_json is not None:
+        with open(os.path.join(tmp, EXTRA_STATE_NAME), "w", encoding="utf-8") as f:
+            f.write(extra_json + "\n")
+    adapter_keys = peft_adapter_key_map(module)
+    if adapter_keys is not None:
+        module.peft_config[module.active_adapter].save_pretrained(tmp)
+    _save_model_config(module, tmp, None)
+    info = _marker(engine, module, adapter_keys, has_extra=extra_json is not None)
+    _write_marker(os.path.join(tmp, MARKER_NAME), info)
+    if not os.path.exists(final):
+        os.replace(tmp, final)
+        return
+    # The directory exists (a previous save of this step, or the Trainer's files): drop the old
+    # marker first, so it is incomplete until the new marker moves in last.
+    old_marker = os.path.join(final, MARKER_NAME)
+    if os.path.exists(old_marker):
+        os.remove(old_marker)
+    new = os.listdir(tmp)
+    for name in _checkpoint_files(os.listdir(final)):
+        if name not in new:
+            os.remove(os.path.join(final, name))
+    for name in sorted(new, key=lambda n: n == MARKER_NAME):
+        os.replace(os.path.join(tmp, name), os.path.join(final, name))
+    os.rmdir(tmp)
+
+
+def _write_marker(path: str, info: dict[str, Any]) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(json.dumps(info, indent=2) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _marker(engine: Any, module: nn.Module, adapter_keys: dict[str, str] | None, *, has_extra: bool) -> dict[str, Any]:
+    import hf_zero
+
+    config = engine.config
+    return {
+        "format": FORMAT_NAME,
+        "format_version": FORMAT_VERSION,
+        "hf_zero_version": hf_zero.__version__,
+        "torch_version": torch.__version__,
+        "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "world_size": _world(),
+        "stage": int(config.zero_optimization.stage),
+        "dtype": config.compute_dtype_name,
+        "global_steps": int(engine.global_steps),
+        "micro_steps": int(engine.micro_steps),
+        "model_class": type(module).__name__.removeprefix("FSDP"),
+        "has_optimizer": engine.optimizer is not None,
+        "extra_state": EXTRA_STATE_NAME if has_extra else None,
+        "rng_files": [RNG_NAME.format(rank=r) for r in range(_world())],
+        "params": _model_entries(module),
+        "tied": tied_groups(module),
+        "peft_adapter_keys": adapter_keys,
+    }
+
+
+# ----------------------------------------------------------------------------------------------- load
+def load_checkpoint(engine: Any, checkpoint_dir: str | os.PathLike) -> dict | None:
+    """Restore a checkpoint written by :func:`save_checkpoint` into ``engine``.
+
+    Every rank must call it. The world size may differ from the one that saved (DCP reshards the
+    stage 2/3 DTensors; stage 0/1 tensors are whole; stage 1 optimizer state is read per
+    parameter name), and stages 2 and 3 read each other's checkpoints. RNG states: rank ``r``
+    restores the states rank ``r`` saved; a rank the saving run did not have keeps its own (logged).
+
+    Args:
+        engine: a ``ZeroEngine`` built for the same model (and optimizer/scheduler kinds).
+        checkpoint_dir: the directory ``save_checkpoint`` wrote.
+
+    Returns:
+        The ``extra_state`` given to ``save_checkpoint`` (None if none was).
+
+    Raises:
+        FileNotFoundError: ``checkpoint_dir`` does not exist.
+        IncompleteCheckpointError: it has no marker (the save did not finish).
+        CheckpointError: it was saved from another model, or misses optimizer state this engine needs.
+    """
+    import torch.distributed.checkpoint as dcp
+
+    path = os.path.abspath(os.fspath(checkpoint_dir))
+    error: BaseException | None = None
+    info: dict[str, Any] = {}
+    module = unwrap_model(engine)
+    try:
+        info = read_marker(path)
+        _check_model_matches(info, module, path)
+        if engine.optimizer is not None and not info.get("has_optimizer", True):
+            raise CheckpointError(f"{path} has no optimizer state (saved by an engine without an optimizer)")
+    except BaseException as exc:
+        error = exc
+    _agree(error, f"reading {path}")
+
+    state = _portable_state(engine, module)
+    local_groups = _local_param_groups(engine, module) if "optimizer" in state else None
+    with warnings.catch_warnings():
+        # DCP warns about keys it reshards and about the FSDP2 state-dict API being new.
+        warnings.simplefilter("ignore", UserWarning)
+        with _dcp_errors(f"reading {path}"):
+            dcp.load(state, storage_reader=dcp.FileSystemReader(path))
+    if local_groups is not None:
+        state["optimizer"]["param_groups"] = _restore_param_groups(
+            engine, module, local_groups, state["optimizer"]["param_groups"]
+        )
+    engine.load_state_dict(state)
+    del state
+
+    rng_file = os.path.join(path, RNG_NAME.format(rank=_rank()))
+    if os.path.exists(rng_file):
+        _set_rng_state(torch.load(rng_file, weights_only=True))
+    else:
+        logger.info(
+            "hf_zero: %s has no RNG state for rank %d (saved on %d ranks); this rank keeps its own",
+            path, _rank(), info.get("world_size"),
+        )
+    if info.get("world_size") != _world() and _rank() == 0:
+        logger.info(
+            "hf_zero: resumed %s saved on %s ranks on %d ranks; the data order of the ranks may differ",
+            path, info.get("world_size"), _world(),
+        )
+    extra_path = os.path.join(path, EXTRA_STATE_NAME)
+    if os.path.exists(extra_path):
+        with open(extra_path, encoding="utf-8") as f:
+            return json.load(f)
+    return None
+
+
+def _local_param_groups(engine: Any, module: nn.Module) -> list[dict]:
+    """This rank's optimizer param groups in the state-dict form (parameter names, no tensors)."""
+    local = engine.stage.local_optimizer(engine.optimizer)
+    fqns = _param_fqns(module)
+    return [
+        {**{k: v for k, v in group.items() if k != "params"}, "params": [fqns[id(p)] for p in group["params"]]}
+        for group in local.param_groups
+    ]
