@@ -67,7 +67,7 @@ def main() -> None:
     new_tokens = out[0, inputs["input_ids"].shape[1]:]
     response = tokenizer.decode(new_tokens, skip_special_tokens=True)
     print(f"prompt: {args.prompt}")
-    print(f"new tokens: {len(new_tokens)}")
+    print(f"new token ids: {new_tokens.tolist()}")
     print(f"response: {response}")
 
 
