@@ -40,6 +40,13 @@ class ZeroArgumentsMixin:
                 )
             self.zero_config = deepspeed
             self.deepspeed = None
+        if self.zero_config is not None and not self.use_cpu:
+            import torch
+
+            if not torch.cuda.is_available():
+                # transformers only sets up multi-process CPU training (gloo, sharded batches) and
+                # accepts bf16 on CPU with use_cpu; without it every rank would train alone.
+                self.use_cpu = True
         super().__post_init__()  # type: ignore[misc]
         # The user's value stays in the field (it is serialised with the arguments); the parsed,
         # frozen config sits beside it.
