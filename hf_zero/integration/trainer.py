@@ -99,6 +99,18 @@ class ZeroTrainerMixin:
 
     zero_engine = None
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if self.zero_enabled:
+            # Check the config against the arguments now, before any model is sharded or loaded
+            # onto a device: a contradiction (e.g. micro batch 4 vs --per_device_train_batch_size 2)
+            # fails at construction, naming both values.
+            from hf_zero.config.auto import resolve_auto
+
+            resolve_auto(self._zero_config(), training_args=self.args, world_size=self.args.world_size)
+            if self._zero_config().stage >= 1 and getattr(self.args, "fsdp", None):
+                raise ValueError("--fsdp and --zero_config both shard the model; pass only one of them")
+
     # ------------------------------------------------------------------------------- set-up
     def _zero_config(self):
         parsed = getattr(self.args, "parsed_zero_config", None)

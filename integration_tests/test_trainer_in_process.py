@@ -1,0 +1,113 @@
+"""ZeroTrainer in the test's own process, as in a notebook cell: no launcher, no environment.
+
+Also the bad-input paths of the Trainer integration: each ends with a clear message and leaves no
+output that looks complete.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from datasets import Dataset
+from transformers import AutoModelForCausalLM
+
+from hf_zero import ZeroTrainer, ZeroTrainingArguments
+from hf_zero.config import ZeroConfigError
+
+from _run import REPO
+
+TINY = REPO / "assets" / "tiny-qwen2"
+
+
+def _data(n=16, seq=16):
+    g = torch.Generator().manual_seed(11)
+    ids = torch.randint(3, 500, (n, seq), generator=g)
+    return Dataset.from_dict({"input_ids": ids.tolist(), "labels": ids.tolist()})
+
+
+def _args(tmp_path, zero_config, **kw):
+    base = dict(output_dir=str(tmp_path / "out"), zero_config=zero_config, per_device_train_batch_size=4,
+                max_steps=4, logging_steps=1, report_to="none", save_strategy="no", learning_rate=5e-3, seed=3)
+    base.update(kw)
+    return ZeroTrainingArguments(**base)
+
+
+def test_notebook_style_run_trains_saves_and_reloads(tmp_path, monkeypatch):
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(var, raising=False)
+    cfg = {"zero_optimization": {"stage": 3}, "train_micro_batch_size_per_gpu": "auto",
+           "optimizer": {"type": "AdamW", "params": {"lr": "auto", "weight_decay": "auto"}}}
+    trainer = ZeroTrainer(model=AutoModelForCausalLM.from_pretrained(TINY), args=_args(tmp_path, cfg), train_dataset=_data())
+    trainer.train()
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    assert len(losses) == 4 and losses[-1] < losses[0]
+    trainer.save_model()
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    from hf_zero.checkpoint.export16 import gather_full_state_dict
+
+    engine_sd = gather_full_state_dict(trainer.model)
+    for name, tensor in reloaded.state_dict().items():
+        torch.testing.assert_close(tensor, engine_sd[name].to(tensor.dtype), rtol=0, atol=0, msg=name)
+
+
+def test_missing_config_file_names_the_path(tmp_path):
+    with pytest.raises((ZeroConfigError, FileNotFoundError), match="no_such_ds_config.json"):
+        _args(tmp_path, str(tmp_path / "no_such_ds_config.json"))
+
+
+def test_config_contradicting_arguments_fails_at_construction(tmp_path):
+    cfg = {"zero_optimization": {"stage": 2}, "train_micro_batch_size_per_gpu": 8, "gradient_clipping": 0.5}
+    with pytest.raises(ZeroConfigError) as err:
+        ZeroTrainer(model=AutoModelForCausalLM.from_pretrained(TINY), args=_args(tmp_path, cfg, max_grad_norm=1.0), train_dataset=_data())
+    message = str(err.value)
+    assert "train_micro_batch_size_per_gpu" in message and "per_device_train_batch_size" in message
+    assert "gradient_clipping" in message and "max_grad_norm" in message  # every mismatch, at once
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
+
+
+def test_resume_from_missing_checkpoint(tmp_path):
+    trainer = ZeroTrainer(model=AutoModelForCausalLM.from_pretrained(TINY), args=_args(tmp_path, {"zero_optimization": {"stage": 2}}), train_dataset=_data())
+    missing = tmp_path / "checkpoint-7"
+    with pytest.raises(FileNotFoundError, match="checkpoint-7"):
+        trainer.train(resume_from_checkpoint=str(missing))
+
+
+def test_resume_from_incomplete_checkpoint_is_refused(tmp_path):
+    trainer = ZeroTrainer(
+        model=AutoModelForCausalLM.from_pretrained(TINY),
+        args=_args(tmp_path, {"zero_optimization": {"stage": 2}}, save_strategy="steps", save_steps=2),
+        train_dataset=_data(),
+    )
+    trainer.train()
+    ckpt = tmp_path / "out" / "checkpoint-2"
+    marker = ckpt / "zero_state" / "hf_zero_checkpoint.json"
+    assert marker.exists() and (ckpt / "trainer_state.json").exists()
+    os.remove(marker)  # as if the save had been interrupted before its last file
+    again = ZeroTrainer(model=AutoModelForCausalLM.from_pretrained(TINY), args=_args(tmp_path, {"zero_optimization": {"stage": 2}}), train_dataset=_data())
+    with pytest.raises(Exception, match="hf_zero_checkpoint.json"):
+        again.train(resume_from_checkpoint=str(ckpt))
+
+
+def test_interrupted_checkpoint_never_looks_complete(tmp_path, monkeypatch):
+    import hf_zero.checkpoint.sharded as sharded
+
+    trainer = ZeroTrainer(
+        model=AutoModelForCausalLM.from_pretrained(TINY),
+        args=_args(tmp_path, {"zero_optimization": {"stage": 3}}, save_strategy="steps", save_steps=2),
+        train_dataset=_data(),
+    )
+
+    def broken_save(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(sharded, "save_checkpoint", broken_save)
+    with pytest.raises(OSError, match="No space left"):
+        trainer.train()
+    out = tmp_path / "out"
+    assert not (out / "checkpoint-2").exists()
+    from transformers.trainer_utils import get_last_checkpoint
+
+    assert get_last_checkpoint(str(out)) is None  # the partial folder is not a checkpoint
