@@ -34,6 +34,12 @@ def logged_losses(output_dir: Path) -> list[float]:
     return [h["loss"] for h in state["log_history"] if "loss" in h]
 
 
+def logged_grad_norms(output_dir: Path) -> list[float]:
+    """Per-step gradient norms (before clipping) the Trainer logged."""
+    state = json.loads((Path(output_dir) / "trainer_state.json").read_text())
+    return [h["grad_norm"] for h in state["log_history"] if "grad_norm" in h]
+
+
 def write_config(path: Path, config: dict) -> Path:
     path.write_text(json.dumps(config, indent=1))
     return path

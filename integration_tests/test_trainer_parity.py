@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from _run import FINETUNE, hf_zero_run, logged_losses, python_script, write_config, zero_config
+from _run import FINETUNE, hf_zero_run, logged_grad_norms, logged_losses, python_script, write_config, zero_config
 
 pytestmark = pytest.mark.slow
 
@@ -39,6 +39,9 @@ def test_hf_zero_run_matches_plain_trainer(stage, reference, tmp_path):
     assert len(losses) == 4
     torch.testing.assert_close(losses, ref_losses, rtol=2e-4, atol=0)
     assert losses[-1] != losses[0]  # it trained
+    # The logged grad_norm is the true global norm over all ranks' shards (a per-rank norm or a
+    # sum instead of a mean over ranks would differ).
+    torch.testing.assert_close(logged_grad_norms(out), logged_grad_norms(reference), rtol=2e-3, atol=0)
 
     ref_model = AutoModelForCausalLM.from_pretrained(reference)
     model = AutoModelForCausalLM.from_pretrained(out)
