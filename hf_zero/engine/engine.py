@@ -68,9 +68,18 @@ class ZeroEngine:
 
         recipe = _optimizer_recipe(config, optimizer, model)
         self.module = model
-        self.stage: Stage = make_stage(config.zero_optimization, env, self.precision)
-        self._forward_module = self.stage.wrap(model)
-        self.optimizer = self.stage.build_optimizer(recipe, model) if recipe else None
+        # Offload (hf_zero/offload): None unless the config moves state off the accelerator.
+        from hf_zero.offload import make_offload_manager
+
+        self.offload = make_offload_manager(config, env, self.precision)
+        try:
+            self.stage: Stage = make_stage(config.zero_optimization, env, self.precision, offload=self.offload)
+            self._forward_module = self.stage.wrap(model)
+            self.optimizer = self.stage.build_optimizer(recipe, model) if recipe else None
+        except BaseException:
+            if self.offload is not None:
+                self.offload.close()
+            raise
         self.lr_scheduler = _build_scheduler(config, lr_scheduler, self.optimizer)
         self.loss_scaler = build_loss_scaler(config.fp16, enabled=self.precision.compute_dtype == torch.float16)
 
@@ -136,6 +145,8 @@ class ZeroEngine:
     def zero_grad(self) -> None:
         """Drop all gradients (``step`` already does this after each update)."""
         self.module.zero_grad(set_to_none=True)
+        if self._grad_owner() is not None:
+            self.optimizer.zero_grad(set_to_none=True)  # host gradients of an offloaded optimizer
         self._overflow = None
         self._window_grad_norm = None
 
@@ -148,7 +159,7 @@ class ZeroEngine:
             return torch.tensor(float("inf"))
         norm = self._total_grad_norm(norm_type)
         if max_norm > 0:
-            torch.nn.utils.clip_grads_with_norm_(self._trainable_params(), max_norm, norm)
+            self._clip_grads(max_norm, norm)
         self._window_grad_norm = float(norm)
         return norm
 
@@ -191,25 +202,33 @@ class ZeroEngine:
         none), ``host`` (CPU memory while computing on a GPU) and ``nvme``.
         """
         report = {kind: {"accelerator": 0, "host": 0, "nvme": 0} for kind in ("params", "grads", "optimizer_state")}
+        # Offload backends count what they hold themselves (host buffers, swap files): on a machine
+        # without a GPU a tensor's device cannot tell the accelerator tier from the host tier.
+        backends = self.offload.backends() if self.offload is not None else []
+        claimed = self.offload.claimed_params() if self.offload is not None else set()
 
-        def add(kind: str, t: torch.Tensor) -> None:
+        def add(kind: str, t: torch.Tensor, host: bool = False) -> None:
             t = local_tensor(t)
-            tier = "accelerator" if t.device == self.env.device else "host"
+            tier = "host" if host or t.device != self.env.device else "accelerator"
             report[kind][tier] += t.numel() * t.element_size()
 
         seen: set[int] = set()
         for p in self.module.parameters():
-            if id(p) in seen:
+            if id(p) in seen or id(p) in claimed:
                 continue
             seen.add(id(p))
             add("params", p)
             if p.grad is not None:
                 add("grads", p.grad)
         if self.optimizer is not None:
-            for state in self.stage.local_optimizer(self.optimizer).state.values():
+            for p, state in self.stage.local_optimizer(self.optimizer).state.items():
                 for v in state.values():
                     if isinstance(v, torch.Tensor) and v.dim() > 0:
-                        add("optimizer_state", v)
+                        add("optimizer_state", v, host=id(p) in claimed)
+        for backend in backends:
+            for kind, tiers in backend.memory_report().items():
+                for tier, value in tiers.items():
+                    report[kind][tier] += int(value)
         return report
 
     # ----------------------------------------------------------------------------- state
@@ -220,8 +239,12 @@ class ZeroEngine:
         from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
         state: dict[str, Any] = {"module": get_model_state_dict(self.module)}
-        if self.optimizer is not None:
+        if self.optimizer is not None and self._grad_owner() is None:
             state["optimizer"] = get_optimizer_state_dict(self.module, self.stage.local_optimizer(self.optimizer))
+        if self.offload is not None:
+            # Offloaded optimizer state (same layout), fp32 masters in place of 16-bit model
+            # entries, host copies of NVMe-swapped parameters.
+            self.offload.checkpoint_state(state)
         if self.lr_scheduler is not None:
             state["lr_scheduler"] = self.lr_scheduler.state_dict()
         state["loss_scaler"] = self.loss_scaler.state_dict()
@@ -236,9 +259,13 @@ class ZeroEngine:
         """Inverse of :meth:`state_dict` (after ``torch.distributed.checkpoint.load`` filled it)."""
         from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
-        set_model_state_dict(self.module, state["module"])
+        with self.params_resident():
+            set_model_state_dict(self.module, state["module"])
         if self.optimizer is not None and "optimizer" in state:
-            set_optimizer_state_dict(self.module, self.stage.local_optimizer(self.optimizer), state["optimizer"])
+            if self._grad_owner() is not None:
+                self.offload.load_checkpoint_state(state)
+            else:
+                set_optimizer_state_dict(self.module, self.stage.local_optimizer(self.optimizer), state["optimizer"])
         if self.lr_scheduler is not None and "lr_scheduler" in state:
             self.lr_scheduler.load_state_dict(state["lr_scheduler"])
         if "loss_scaler" in state:
@@ -247,6 +274,19 @@ class ZeroEngine:
         self.global_steps = int(counters.get("global_steps", self.global_steps))
         self.micro_steps = int(counters.get("micro_steps", self.micro_steps))
         self.skipped_steps = int(counters.get("skipped_steps", self.skipped_steps))
+
+    def params_resident(self) -> contextlib.AbstractContextManager:
+        """Context in which every parameter shard is in memory: needed only with
+        ``offload_param.device = "nvme"``, around code that reads parameter values outside the
+        forward/backward (a 16-bit export, ``full_tensor()``); a no-op otherwise."""
+        if self.offload is None:
+            return contextlib.nullcontext()
+        return self.offload.resident()
+
+    def close(self) -> None:
+        """Release offload threads, hooks and swap files (idempotent; also done at exit)."""
+        if self.offload is not None:
+            self.offload.close()
 
     def train(self, mode: bool = True) -> ZeroEngine:
         self.module.train(mode)
@@ -265,14 +305,34 @@ class ZeroEngine:
                 params.append(p)
         return params
 
+    def _grad_owner(self) -> Any:
+        """The offloaded optimizer when it holds the gradients (moved to the host in backward)."""
+        if self.offload is not None and self.offload.owns_optimizer:
+            return self.optimizer
+        return None
+
+    def _clip_grads(self, max_norm: float, norm: torch.Tensor) -> None:
+        owner = self._grad_owner()
+        if owner is not None:
+            owner.clip_grads_with_norm_(max_norm, norm)
+        else:
+            torch.nn.utils.clip_grads_with_norm_(self._trainable_params(), max_norm, norm)
+
     def _unscale_and_check_overflow(self) -> bool:
         """Unscale fp16 gradients once per update and agree on overflow across ranks."""
         if self._overflow is not None:
             return self._overflow
         from hf_zero.precision.loss_scaler import grads_have_inf_or_nan
 
-        grads = [p.grad for p in self._trainable_params()]
         scale = self.loss_scaler.loss_scale
+        owner = self._grad_owner()
+        if owner is not None:
+            if scale != 1.0:
+                owner.unscale_grads_(1.0 / scale)
+            found = owner.grads_have_inf_or_nan() if self.loss_scaler.dynamic else False
+            self._overflow = all_reduce_flag(found, self.env.device) if self.loss_scaler.dynamic else False
+            return self._overflow
+        grads = [p.grad for p in self._trainable_params()]
         if scale != 1.0 and grads:
             torch._foreach_mul_([local_tensor(g) for g in grads], 1.0 / scale)
         found = grads_have_inf_or_nan(grads) if self.loss_scaler.dynamic else False
@@ -280,6 +340,9 @@ class ZeroEngine:
         return self._overflow
 
     def _total_grad_norm(self, norm_type: float = 2.0) -> torch.Tensor:
+        owner = self._grad_owner()
+        if owner is not None:
+            return owner.total_grad_norm(norm_type)
         grads = [p.grad for p in self._trainable_params()]
         if not grads:
             return torch.tensor(0.0)
@@ -314,7 +377,7 @@ class ZeroEngine:
             if self._window_grad_norm is None:  # not clipped by the caller this window
                 norm = self._total_grad_norm()
                 if self.gradient_clipping > 0:
-                    torch.nn.utils.clip_grads_with_norm_(self._trainable_params(), self.gradient_clipping, norm)
+                    self._clip_grads(self.gradient_clipping, norm)
                 self._window_grad_norm = float(norm)
             self.optimizer.step()
             if self.lr_scheduler is not None:
@@ -344,13 +407,9 @@ class ZeroEngine:
 
 
 def _check_supported(config: ZeroConfig) -> None:
-    zero = config.zero_optimization
-    for name, section in (("offload_optimizer", zero.offload_optimizer), ("offload_param", zero.offload_param)):
-        if section.device != "none":
-            raise NotImplementedError(
-                f"{config.source}: zero_optimization.{name}.device={section.device!r} is not available in "
-                "this version of hf_zero; remove the section or set device to \"none\""
-            )
+    from hf_zero.offload import check_offload_config
+
+    check_offload_config(config)
 
 
 def _optimizer_recipe(config: ZeroConfig, optimizer: OptimizerArg, model: nn.Module) -> OptimizerRecipe | None:

@@ -19,7 +19,7 @@ their global norm". Stages know nothing about loss scaling, accumulation counter
 from __future__ import annotations
 
 import contextlib
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 from torch import nn
@@ -30,6 +30,9 @@ from hf_zero.distributed.env import DistEnv
 from hf_zero.engine.optimizer_recipe import OptimizerRecipe, constructor_defaults
 from hf_zero.engine.wrap_policy import find_wrap_units
 from hf_zero.precision.policy import PrecisionPolicy
+
+if TYPE_CHECKING:
+    from hf_zero.offload.manager import OffloadManager
 
 __all__ = ["Stage", "ReplicatedStage", "FullyShardedStage", "make_stage", "local_tensor"]
 
@@ -69,13 +72,21 @@ class ReplicatedStage:
     ``ZeroRedundancyOptimizer``: each rank steps the parameters it owns and broadcasts them.
     """
 
-    def __init__(self, stage: int, zero: ZeroOptimizationConfig, env: DistEnv, precision: PrecisionPolicy):
+    def __init__(
+        self,
+        stage: int,
+        zero: ZeroOptimizationConfig,
+        env: DistEnv,
+        precision: PrecisionPolicy,
+        offload: OffloadManager | None = None,
+    ):
         if stage not in (0, 1):
             raise ValueError(f"ReplicatedStage handles stages 0 and 1, not {stage}")
         self.stage = stage
         self.zero = zero
         self.env = env
         self.precision = precision
+        self.offload = offload
         self.ddp: nn.parallel.DistributedDataParallel | None = None
 
     def wrap(self, model: nn.Module) -> nn.Module:
@@ -89,6 +100,11 @@ class ReplicatedStage:
             device_ids=[self.env.device.index] if self.env.device.type == "cuda" else None,
             bucket_cap_mb=min(bucket_mb, 1024),
         )
+        if self.offload is not None:
+            # Offload: the optimizer's comm hook reduces (with the same compression) and copies
+            # each bucket to the host; DDP takes a single comm hook.
+            self.offload.prepare_ddp(self.ddp)
+            return self.ddp
         if self.precision.reduce_dtype == torch.bfloat16:
             self.ddp.register_comm_hook(None, default_hooks.bf16_compress_hook)
         elif self.precision.reduce_dtype == torch.float16:
@@ -96,6 +112,8 @@ class ReplicatedStage:
         return self.ddp
 
     def build_optimizer(self, recipe: OptimizerRecipe, model: nn.Module) -> torch.optim.Optimizer:
+        if self.offload is not None:
+            return self.offload.build_optimizer(recipe, model)
         groups = recipe.param_groups(model)
         if self.stage == 0:
             return recipe.build(groups)
@@ -135,13 +153,21 @@ class FullyShardedStage:
     gradients into fp32 shards and shard the optimizer state with them.
     """
 
-    def __init__(self, stage: int, zero: ZeroOptimizationConfig, env: DistEnv, precision: PrecisionPolicy):
+    def __init__(
+        self,
+        stage: int,
+        zero: ZeroOptimizationConfig,
+        env: DistEnv,
+        precision: PrecisionPolicy,
+        offload: OffloadManager | None = None,
+    ):
         if stage not in (2, 3):
             raise ValueError(f"FullyShardedStage handles stages 2 and 3, not {stage}")
         self.stage = stage
         self.zero = zero
         self.env = env
         self.precision = precision
+        self.offload = offload
         self.units: list[nn.Module] = []
         self.root: nn.Module | None = None
 
@@ -157,13 +183,19 @@ class FullyShardedStage:
         )
         _set_master_dtypes(model, self.precision)
         self.units = find_wrap_units(model)
+        if self.offload is not None:
+            kwargs.update(self.offload.prepare_fsdp(model, self.units))
         for unit in self.units:
             fully_shard(unit, **kwargs)
         fully_shard(model, **kwargs)
         self.root = model
+        if self.offload is not None:
+            self.offload.after_fsdp(model, self.units)
         return model
 
     def build_optimizer(self, recipe: OptimizerRecipe, model: nn.Module) -> torch.optim.Optimizer:
+        if self.offload is not None:
+            return self.offload.build_optimizer(recipe, model)
         return recipe.build(recipe.param_groups(model))
 
     def set_gradient_sync(self, enabled: bool) -> None:
@@ -190,10 +222,12 @@ def _set_master_dtypes(model: nn.Module, precision: PrecisionPolicy) -> None:
                 param.data = param.data.to(dtype)
 
 
-def make_stage(zero: ZeroOptimizationConfig, env: DistEnv, precision: PrecisionPolicy) -> Stage:
-    """The :class:`Stage` for ``zero.stage``."""
+def make_stage(
+    zero: ZeroOptimizationConfig, env: DistEnv, precision: PrecisionPolicy, offload: OffloadManager | None = None
+) -> Stage:
+    """The :class:`Stage` for ``zero.stage``; ``offload`` plugs in the offload backends."""
     if zero.stage in (0, 1):
-        return ReplicatedStage(zero.stage, zero, env, precision)
+        return ReplicatedStage(zero.stage, zero, env, precision, offload)
     if zero.stage in (2, 3):
-        return FullyShardedStage(zero.stage, zero, env, precision)
+        return FullyShardedStage(zero.stage, zero, env, precision, offload)
     raise ValueError(f"zero_optimization.stage must be 0, 1, 2 or 3, got {zero.stage!r}")

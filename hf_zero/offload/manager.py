@@ -1,0 +1,517 @@
+"""``OffloadManager``: the offload backends of one engine and the few points where they plug in.
+
+The engine builds one manager when the config offloads anything; the stages call it at fixed
+points, so that offload stays out of the stage and engine code:
+
+============================  ====================================================================
+``prepare_fsdp`` (stage 2/3)  before ``fully_shard``: FSDP2's CPU offload policy when
+                              ``offload_param`` is set
+``after_fsdp``                after ``fully_shard``: capture this rank's fp32 master shard of each
+                              offloaded parameter, cast the parameter to the compute dtype (the
+                              accelerator keeps 16-bit shards only); the ``offload_param`` backend
+``prepare_ddp`` (stage 1)     the DDP wrapper whose comm hook will copy gradients to the host
+``build_optimizer``           the :class:`OffloadedOptimizer` (or a plain optimizer when only the
+                              parameters are offloaded) and its gradient feed
+``checkpoint_state`` /        the engine's ``state_dict``/``load_state_dict`` entries
+``load_checkpoint_state``
+``backends``                  what ``ZeroEngine.memory_report`` asks for bytes per tier
+``close``                     threads, hooks and swap files
+============================  ====================================================================
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from hf_zero.config.schema import ZeroConfig
+from hf_zero.offload.base import OffloadBackend, OffloadError, agree_on_error
+from hf_zero.offload.cpu_optimizer import HostOffloadConfig, OffloadedOptimizer, ParamPlan, host_dtensor
+
+__all__ = ["OffloadManager", "check_offload_config", "make_offload_manager"]
+
+logger = logging.getLogger("hf_zero")
+
+_OPT = "zero_optimization.offload_optimizer"
+_PARAM = "zero_optimization.offload_param"
+
+
+def check_offload_config(config: ZeroConfig) -> None:
+    """Offload combinations the config parser lets through but the engine cannot run.
+
+    Raises:
+        ValueError: ``offload_param.device`` is ``nvme`` without an offloaded optimizer (the fp32
+            master weights would be the swapped parameters themselves, stepped on the device).
+    """
+    zero = config.zero_optimization
+    if zero.offload_param.device == "nvme" and zero.offload_optimizer.device == "none":
+        raise ValueError(
+            f"{config.source}: {_PARAM}.device='nvme' needs {_OPT}.device 'cpu' or 'nvme' (the fp32 master "
+            f"weights must live off the swapped parameters); set {_OPT}.device, or use {_PARAM}.device='cpu'"
+        )
+
+
+def make_offload_manager(config: ZeroConfig, env: Any, precision: Any) -> OffloadManager | None:
+    """The manager for ``config``, or None when nothing is offloaded."""
+    zero = config.zero_optimization
+    if zero.offload_optimizer.device == "none" and zero.offload_param.device == "none":
+        return None
+    check_offload_config(config)
+    return OffloadManager(config, env, precision)
+
+
+def _padded_shard_numel(param: torch.Tensor, world: int) -> int:
+    """Elements FSDP2 gives this parameter in one rank's reduce-scatter output: dim 0 padded to a
+    multiple of the world size, divided by it (``_get_dim0_padded_size``)."""
+    shape = tuple(param.shape)
+    if not shape:
+        return 1
+    rows = -(-shape[0] // world)
+    rest = 1
+    for d in shape[1:]:
+        rest *= d
+    return rows * rest
+
+
+class _FsdpGradFeed:
+    """Stages 2/3: each sharded gradient to the host as soon as FSDP2 has reduce-scattered it.
+
+    FSDP2 calls a parameter's post-accumulate-grad hooks right after its unit's reduce-scatter,
+    with ``param.grad`` already cast to the parameter's dtype -- 16 bit when the parameters are
+    16-bit shards. The exact fp32 values are in the reduce-scatter output, which FSDP2 passes to
+    the unit's all-reduce hook (``FSDPModule.set_all_reduce_hook``) just before; the parameters
+    follow in it in order, each padded to :func:`_padded_shard_numel`. The first gradients are
+    checked against FSDP2's own cast, so a torch that lays the buffer out differently fails with
+    a clear error instead of training on wrong gradients.
+    """
+
+    _CHECKS = 4096
+
+    def __init__(self, optimizer: OffloadedOptimizer, fsdp_modules: list[nn.Module], params: list[nn.Parameter], world: int):
+        self._opt = optimizer
+        self._world = world
+        self._flat: torch.Tensor | None = None
+        self._cursor = 0
+        self._checks_left = self._CHECKS
+        self._modules = fsdp_modules
+        for module in fsdp_modules:
+            module.set_all_reduce_hook(self._on_reduced)
+        self._handles = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
+
+    def _on_reduced(self, output: torch.Tensor) -> None:
+        self._flat = output
+        self._cursor = 0
+
+    def _on_grad(self, param: nn.Parameter) -> None:
+        grad = param.grad
+        local = grad.to_local() if hasattr(grad, "to_local") else grad
+        if local.dtype == torch.float32:
+            exact = local
+        else:
+            flat = self._flat
+            if flat is None or flat.dtype != torch.float32:
+                raise OffloadError(
+                    "hf_zero's optimizer offload did not receive FSDP2's fp32 reduce-scatter output (reduce "
+                    f"dtype {None if flat is None else flat.dtype}); this torch ({torch.__version__}) is not supported"
+                )
+            n = local.numel()
+            exact = flat[self._cursor : self._cursor + n].view(local.shape)
+            self._cursor += _padded_shard_numel(param, self._world)
+            if self._checks_left > 0:
+                self._checks_left -= 1
+                if not torch.equal(exact.to(local.dtype), local):
+                    raise OffloadError(
+                        f"FSDP2's reduce-scatter output is not laid out as hf_zero expects (torch {torch.__version__}); "
+                        "optimizer offload cannot recover fp32 gradients"
+                    )
+        self._opt.accumulate_grad(param, exact)
+        param.grad = None  # no gradient shard stays on the accelerator
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        for module in self._modules:
+            module.set_all_reduce_hook(_noop)
+
+
+def _noop(_output: torch.Tensor) -> None:
+    return None
+
+
+class _DdpGradFeed:
+    """Stage 1: the gradients this rank owns to the host as each DDP bucket finishes its all-reduce.
+
+    The comm hook runs the reduction DDP would run (average, or the 16-bit compression the
+    precision policy asks for) and chains a copy of the owned parameters' slices of the reduced
+    bucket; DDP waits for the chain before backward returns.
+    """
+
+    def __init__(self, optimizer: OffloadedOptimizer, ddp: nn.parallel.DistributedDataParallel, owned: set[int],
+                 reduce_dtype: torch.dtype):
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        self._opt = optimizer
+        self._owned = owned
+        if reduce_dtype == torch.bfloat16:
+            self._base = default_hooks.bf16_compress_hook
+        elif reduce_dtype == torch.float16:
+            self._base = default_hooks.fp16_compress_hook
+        else:
+            self._base = default_hooks.allreduce_hook
+        def hook(state, bucket):  # noqa: ANN001 -- DDP checks the annotations set below
+            return self._hook(bucket)
+
+        # DDP validates the hook's annotations as objects (this module's are strings).
+        hook.__annotations__ = {"bucket": dist.GradBucket, "return": torch.futures.Future[torch.Tensor]}
+        ddp.register_comm_hook(state=None, hook=hook)
+
+    def _hook(self, bucket: Any) -> torch.futures.Future:
+        params = list(bucket.parameters())
+        fut = self._base(None, bucket)
+
+        def copy(done: torch.futures.Future) -> torch.Tensor:
+            flat = done.value()
+            if isinstance(flat, (list, tuple)):
+                flat = flat[0]
+            total = sum(p.numel() for p in params)
+            if total != flat.numel():
+                raise OffloadError(f"DDP bucket holds {flat.numel()} elements, its parameters {total}")
+            offset = 0
+            for p in params:
+                n = p.numel()
+                if id(p) in self._owned:
+                    self._opt.accumulate_grad(p, flat[offset : offset + n].view(p.shape))
+                offset += n
+            return flat
+
+        return fut.then(copy)
+
+    def remove(self) -> None:
+        return None  # DDP has no way to unregister a comm hook; the engine is done with it anyway
+
+
+def _partition(params: list[nn.Parameter], world: int) -> dict[int, int]:
+    """Stage 1 ownership: largest parameters first, each to the least-loaded rank (whole
+    parameters, as ZeroRedundancyOptimizer does, so checkpoints stay per parameter name)."""
+    load = [0] * world
+    owner: dict[int, int] = {}
+    for index in sorted(range(len(params)), key=lambda i: (-params[i].numel(), i)):
+        rank = min(range(world), key=lambda r: (load[r], r))
+        owner[id(params[index])] = rank
+        load[rank] += params[index].numel()
+    return owner
+
+
+class OffloadManager:
+    """Offload backends of one engine (see the module docstring for when each method runs)."""
+
+    def __init__(self, config: ZeroConfig, env: Any, precision: Any):
+        from hf_zero.distributed.collectives import broadcast_object
+
+        zero = config.zero_optimization
+        self.config = config
+        self.env = env
+        self.precision = precision
+        self.stage = zero.stage
+        self.opt_cfg = zero.offload_optimizer
+        self.param_cfg = zero.offload_param
+        self.sub_group_size = int(zero.sub_group_size)
+        self.aio = config.aio
+        self.run_id: str | None = None
+        if "nvme" in (self.opt_cfg.device, self.param_cfg.device):
+            from hf_zero.offload.nvme import new_run_id
+
+            self.run_id = broadcast_object(new_run_id() if env.rank == 0 else None)
+        self.optimizer: OffloadedOptimizer | None = None
+        self.params: Any = None
+        self._masters: dict[str, torch.Tensor] = {}
+        self._host_names: set[str] = set()
+        self._fsdp_modules: list[nn.Module] = []
+        self._model: nn.Module | None = None
+        self._ddp: nn.parallel.DistributedDataParallel | None = None
+        self._swap_dirs: dict[str, Any] = {}
+        self._closed = False
+        if env.is_main:
+            logger.info(
+                "hf_zero: offload optimizer=%s%s params=%s, sub_group_size=%d",
+                self.opt_cfg.device,
+                f" (ratio {self.opt_cfg.ratio})" if self.opt_cfg.ratio < 1 else "",
+                self.param_cfg.device,
+                self.sub_group_size,
+            )
+
+    @property
+    def owns_optimizer(self) -> bool:
+        """Whether the optimizer is an :class:`OffloadedOptimizer` (its state dict is ours)."""
+        return self.optimizer is not None
+
+    @property
+    def comm_device(self) -> torch.device:
+        return self.env.device if self.env.backend == "nccl" else torch.device("cpu")
+
+    # ------------------------------------------------------------------------------ stages 2/3
+    def prepare_fsdp(self, model: nn.Module, units: list[nn.Module]) -> dict[str, Any]:  # noqa: ARG002
+        """Before ``fully_shard``: extra keyword arguments for it (FSDP2's CPU offload policy when
+        ``offload_param`` is set)."""
+        kwargs: dict[str, Any] = {}
+        if self.param_cfg.device != "none":
+            from hf_zero.offload.param_offload import fsdp_cpu_offload_policy
+
+            kwargs["offload_policy"] = fsdp_cpu_offload_policy(self.param_cfg)
+        return kwargs
+
+    def _to_compute_dtype(self, model: nn.Module) -> None:
+        """Capture this rank's fp32 shard of each offloaded parameter (the master weights), then
+        make the parameter a 16-bit shard.
+
+        This runs after ``fully_shard`` (and after the stage filled the shards, e.g. from rank 0
+        with low-memory loading), through ``nn.Module._apply``: FSDP2's ``_apply`` re-pads its
+        shards and re-reads their dtype at the first forward, and keeps parameter identity and
+        weight tying. The cast goes unit by unit (:meth:`_plan_ratio`), since FSDP2 wants one
+        dtype for a unit's trainable parameters. In fp32 training nothing is cast.
+        """
+        compute = self.precision.compute_dtype
+        targets: set[int] = set()
+        for name, param in model.named_parameters():
+            if name not in self._host_names:
+                continue
+            local = param.to_local() if hasattr(param, "to_local") else param
+            self._masters[name] = local.detach().to("cpu", torch.float32, copy=True).contiguous()
+            if param.dtype != compute:
+                targets.add(id(param))
+        if targets:
+            with torch.no_grad():
+                model._apply(lambda t: t.to(compute) if id(t) in targets else t)
+
+    def _plan_ratio(self, model: nn.Module, units: list[nn.Module]) -> set[str]:
+        """FQNs of the trainable parameters whose optimizer state goes to the host.
+
+        ``ratio`` < 1 (partial offload, stage 3) offloads whole FSDP units -- FSDP2 needs one
+        dtype for a unit's trainable parameters, and offloaded ones are 16-bit -- in forward
+        order (blocks, then the root's embeddings and head) until the next unit would pass the
+        ratio of trainable elements; the rest keep fp32 shards stepped on the accelerator.
+        """
+        names = {id(p): n for n, p in model.named_parameters()}
+        in_unit: dict[int, int] = {}
+        for i, unit in enumerate(units):
+            for p in unit.parameters():
+                in_unit.setdefault(id(p), i)
+        buckets: list[list[str]] = [[] for _ in range(len(units) + 1)]
+        sizes = [0] * (len(units) + 1)
+        for n, p in model.named_parameters():
+            if not p.requires_grad:
+                continue
+            i = in_unit.get(id(p), len(units))
+            buckets[i].append(n)
+            sizes[i] += p.numel()
+        ratio = float(self.opt_cfg.ratio)
+        if ratio >= 1.0:
+            return {n for b in buckets for n in b}
+        total = sum(sizes)
+        chosen: set[str] = set()
+        taken = 0
+        for bucket, size in zip(buckets, sizes):
+            if taken + size <= ratio * total:
+                chosen.update(bucket)
+                taken += size
+        if self.env.is_main:
+            logger.info(
+                "hf_zero: %s.ratio=%s offloads %.1f%% of the trainable elements (whole FSDP units)",
+                _OPT, ratio, 100.0 * taken / max(total, 1),
+            )
+        del names
+        return chosen
+
+    def after_fsdp(self, model: nn.Module, units: list[nn.Module]) -> None:
+        """After ``fully_shard`` (and after the shards hold their values): fp32 masters captured
+        and 16-bit device shards for the offloaded parameters, then the parameter-offload backend."""
+        self._model = model
+        self._fsdp_modules = [*units, model]
+        if self.opt_cfg.device != "none":
+            self._host_names = self._plan_ratio(model, units)
+            self._to_compute_dtype(model)
+        if self.param_cfg.device == "cpu":
+            from hf_zero.offload.param_offload import CpuParamOffload
+
+            self.params = CpuParamOffload(model)
+        elif self.param_cfg.device == "nvme":
+            from hf_zero.offload.param_offload import NvmeParamSwapper
+
+            error: BaseException | None = None
+            try:
+                swap_dir = self._swap_dir(self.param_cfg.nvme_path, f"{_PARAM}.nvme_path")
+                self.params = NvmeParamSwapper(model, self._fsdp_modules, self.param_cfg, self.aio, swap_dir)
+            except BaseException as exc:  # noqa: BLE001 -- agreed on, then raised on every rank
+                error = exc
+            try:
+                agree_on_error(error, f"setting up {_PARAM}.device=nvme")
+            except BaseException:
+                self.close()
+                raise
+
+    # ------------------------------------------------------------------------------ stage 1
+    def prepare_ddp(self, ddp: nn.parallel.DistributedDataParallel) -> None:
+        """Stage 1: the DDP wrapper; the offloaded optimizer registers its comm hook on it (the
+        stage must not register the precision's compression hook: the feed runs it itself)."""
+        self._ddp = ddp
+
+    # ------------------------------------------------------------------------------ optimizer
+    def _swap_dir(self, nvme_path: str | None, setting: str) -> Any:
+        from hf_zero.offload.nvme import SwapDir
+
+        if not nvme_path:
+            raise OffloadError(f"{setting} is required when the device is nvme")
+        key = str(nvme_path)
+        if key not in self._swap_dirs:
+            self._swap_dirs[key] = SwapDir(nvme_path, self.run_id, self.env.rank, setting)
+        return self._swap_dirs[key]
+
+    def build_optimizer(self, recipe: Any, model: nn.Module) -> torch.optim.Optimizer:
+        """The optimizer the engine steps: an :class:`OffloadedOptimizer` when the optimizer is
+        offloaded, else the recipe's own (``offload_param`` only: FSDP2's CPU policy already put
+        the shards, and so the optimizer's state, in host memory)."""
+        groups = recipe.param_groups(model)
+        if self.opt_cfg.device == "none":
+            return recipe.build(groups)
+        probe = recipe.build(groups)
+        names = {id(p): n for n, p in model.named_parameters()}
+        trainable = [p for g in probe.param_groups for p in g["params"]]
+        rank, world = self.env.rank, self.env.world_size
+        if self.stage in (0, 1):
+            owner = _partition(trainable, world)
+            plan = ParamPlan(host=[p for p in trainable if owner[id(p)] == rank], owner=owner)
+        else:
+            host = [p for p in trainable if names[id(p)] in self._host_names]
+            masters = {}
+            for p in host:
+                master = self._masters[names[id(p)]]
+                local = p.to_local() if hasattr(p, "to_local") else p
+                if tuple(master.shape) != tuple(local.shape):
+                    raise OffloadError(
+                        f"{names[id(p)]}: fully_shard gave this rank a {tuple(local.shape)} shard, but hf_zero "
+                        f"captured {tuple(master.shape)} for its master weights (torch changed how it shards?)"
+                    )
+                masters[id(p)] = master
+            plan = ParamPlan(host=host, device=[p for p in trainable if names[id(p)] not in self._host_names],
+                             masters=masters)
+        self._masters = {}
+        cfg = HostOffloadConfig(
+            device=self.opt_cfg.device,
+            sub_group_size=self.sub_group_size,
+            pin_memory=bool(self.opt_cfg.pin_memory),
+            buffer_count=int(self.opt_cfg.buffer_count),
+            nvme_path=self.opt_cfg.nvme_path,
+            aio=self.aio,
+            run_id=self.run_id,
+        )
+        writer = getattr(self.params, "write_param", None) if self.param_cfg.device == "nvme" else None
+        swap_dir = None
+        if self.opt_cfg.device == "nvme":
+            swap_dir = lambda: self._swap_dir(self.opt_cfg.nvme_path, f"{_OPT}.nvme_path")  # noqa: E731
+        optimizer = OffloadedOptimizer(
+            probe, recipe.build, names, cfg, plan,
+            rank=rank, world_size=world, comm_device=self.comm_device, param_writer=writer, swap_dir=swap_dir,
+        )
+        del probe
+        if self.stage >= 2:
+            optimizer.add_feed(_FsdpGradFeed(optimizer, self._fsdp_modules, plan.host, world))
+        else:
+            if self._ddp is None:
+                raise OffloadError("stage 1 optimizer offload needs the DDP wrapper (prepare_ddp was not called)")
+            optimizer.add_feed(_DdpGradFeed(optimizer, self._ddp, {id(p) for p in plan.host},
+                                            self.precision.reduce_dtype))
+        if self.param_cfg.device == "nvme" and self.params is not None:
+            optimizer.pre_step_checks.append(self.params.raise_if_failed)
+            optimizer.post_step_actions.append(self.params.write_behind)
+        self.optimizer = optimizer
+        return optimizer
+
+    # ------------------------------------------------------------------------------ engine
+    def backends(self) -> list[OffloadBackend]:
+        return [b for b in (self.optimizer, self.params) if b is not None]
+
+    def claimed_params(self) -> set[int]:
+        out: set[int] = set()
+        for b in self.backends():
+            out |= b.claimed_params()
+        return out
+
+    @contextlib.contextmanager
+    def resident(self, write_back: bool = True) -> Iterator[None]:
+        """Every swapped parameter shard in host memory inside the block (a no-op unless
+        ``offload_param`` is nvme). Hold it around code that reads or writes parameter values
+        outside the forward/backward, e.g. a 16-bit export."""
+        if self.params is None:
+            yield
+            return
+        with self.params.resident(write_back=write_back) if self.param_cfg.device == "nvme" else contextlib.nullcontext():
+            yield
+
+    def checkpoint_state(self, state: dict[str, Any]) -> None:
+        """Complete ``engine.state_dict()``'s ``state`` in place: the optimizer entry (when the
+        optimizer is offloaded), fp32 masters in place of the 16-bit model entries, and host copies
+        of NVMe-swapped parameters."""
+        module_state = state.get("module", {})
+        replaced: set[str] = set()
+        if self.optimizer is not None:
+            optim_state, masters = self.optimizer.checkpoint_state()
+            state["optimizer"] = optim_state
+            if self.stage >= 2:
+                aliases = self._aliases()
+                for name, master in masters.items():
+                    for alias in aliases.get(name, [name]):
+                        if alias in module_state:
+                            module_state[alias] = master
+                            replaced.add(alias)
+        if self.param_cfg.device == "nvme" and self.params is not None:
+            self.params.materialize(module_state, skip=replaced)
+
+    def _aliases(self) -> dict[str, list[str]]:
+        if self._model is None:
+            return {}
+        by_id: dict[int, list[str]] = {}
+        for name, p in self._model.named_parameters(remove_duplicate=False):
+            by_id.setdefault(id(p), []).append(name)
+        return {names[0]: names for names in by_id.values()}
+
+    def load_checkpoint_state(self, state: dict[str, Any]) -> None:
+        """The optimizer part of ``engine.load_state_dict`` when the optimizer is offloaded: state,
+        hyper-parameters and the fp32 masters (from the model entries)."""
+        assert self.optimizer is not None
+        module_state = state.get("module", {})
+        names = {slot.name for slot in self.optimizer.slots}
+        masters = {n: module_state[n] for n in names if n in module_state}
+        with self.resident():
+            self.optimizer.load_checkpoint_state(state["optimizer"], masters)
+
+    def swap_files(self) -> list[str]:
+        files = []
+        for b in self.backends():
+            files.extend(getattr(b, "swap_files", lambda: [])())
+        return files
+
+    def swap_dirs(self) -> list[str]:
+        return [d.path for d in self._swap_dirs.values()]
+
+    def close(self) -> None:
+        """Stop threads, remove hooks and delete this rank's swap files (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        errors = []
+        for backend in self.backends():
+            try:
+                backend.close()
+            except BaseException as exc:  # noqa: BLE001 -- keep closing the others
+                errors.append(exc)
+        for swap_dir in self._swap_dirs.values():
+            swap_dir.close()
+        if errors:
+            raise errors[0]

@@ -1,0 +1,415 @@
+"""Stage 3 ``offload_param``: where the sharded parameters live between uses.
+
+``device = "cpu"``: FSDP2's ``CPUOffloadPolicy`` already does it -- each rank's parameter shards sit
+in host memory and are copied to the accelerator for every all-gather, gradients are copied back
+to the host as they are reduce-scattered. :class:`CpuParamOffload` only reports those bytes in the
+host tier (on a machine without a GPU the engine could not tell them apart by device).
+
+``device = "nvme"`` (:class:`NvmeParamSwapper`): on top of the CPU policy, the host shards of each
+FSDP unit (a transformer block, or the root) are swapped to a file per unit. At most
+``max_in_cpu`` parameter elements stay in host memory; a unit that is needed (FSDP2 is about to
+all-gather it, for the forward or for the backward) is read back, and the next unit in the same
+direction is read ahead on the I/O threads while the current one computes. Units are written back
+behind the optimizer step (the offloaded optimizer hands its updated values to
+:meth:`NvmeParamSwapper.write_param`, which writes straight into the file when the unit is not in
+memory). A swapped-out shard has no host storage at all; code outside FSDP2's all-gather that
+reads parameter values must hold :meth:`NvmeParamSwapper.resident` (the engine's state-dict
+methods do).
+
+The hook into FSDP2 is its per-unit ``FSDPParamGroup.unshard`` (every all-gather, prefetches
+included, goes through it), wrapped on the instance: a documented private seam of torch 2.13,
+checked at start-up so that a torch version that moved it fails with a clear message.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from hf_zero.config.schema import AioConfig, OffloadParamConfig
+from hf_zero.offload.base import OffloadError, TierReport, empty_report, nbytes
+
+__all__ = ["CpuParamOffload", "NvmeParamSwapper", "fsdp_cpu_offload_policy"]
+
+logger = logging.getLogger("hf_zero")
+
+_SETTING = "zero_optimization.offload_param"
+
+
+def fsdp_cpu_offload_policy(cfg: OffloadParamConfig):
+    """FSDP2's ``CPUOffloadPolicy``; pinned host memory only when asked for and a GPU is present."""
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    return CPUOffloadPolicy(pin_memory=bool(cfg.pin_memory) and torch.cuda.is_available())
+
+
+def _sharded_params(model: nn.Module) -> list[nn.Parameter]:
+    seen: set[int] = set()
+    out = []
+    for p in model.parameters():
+        if id(p) not in seen:
+            seen.add(id(p))
+            out.append(p)
+    return out
+
+
+class CpuParamOffload:
+    """``offload_param.device = "cpu"``: the shards live in host memory (FSDP2's CPU policy)."""
+
+    def __init__(self, model: nn.Module):
+        self.params = _sharded_params(model)
+
+    def memory_report(self) -> TierReport:
+        report = empty_report()
+        for p in self.params:
+            report["params"]["host"] += nbytes(p)
+            if p.grad is not None:
+                report["grads"]["host"] += nbytes(p.grad)
+        return report
+
+    def claimed_params(self) -> set[int]:
+        return {id(p) for p in self.params}
+
+    def write_param(self, param: nn.Parameter, start: int, values: torch.Tensor) -> None:
+        local = param.data.to_local() if hasattr(param.data, "to_local") else param.data
+        local.view(-1)[start : start + values.numel()].copy_(values)
+
+    @contextlib.contextmanager
+    def resident(self) -> Iterator[None]:
+        yield
+
+    def materialize(self, module_state: dict[str, Any]) -> None:
+        return None
+
+    def swap_files(self) -> list[str]:
+        return []
+
+    def close(self) -> None:
+        return None
+
+
+@dataclass(eq=False)
+class _Unit:
+    index: int
+    group: Any  # FSDPParamGroup
+    fsdp_params: list[Any]
+    record: str
+    offsets: list[int]
+    sizes: list[int]  # bytes of each shard
+    numel: int
+    resident: bool = True
+    dirty: bool = False
+    loading: list[Any] = field(default_factory=list)  # IOHandles of a swap-in in flight
+    writing: list[Any] = field(default_factory=list)  # IOHandles of a write-behind in flight
+    last_use: int = 0
+
+
+class NvmeParamSwapper:
+    """``offload_param.device = "nvme"``: host shards of each FSDP unit swapped to files.
+
+    Args:
+        fsdp_modules: the modules ``fully_shard`` was applied to (root included).
+        cfg: ``offload_param``.
+        aio: the ``aio`` section.
+        swap_dir: this rank's swap folder (shared with the optimizer's swap files).
+
+    Raises:
+        OffloadError: the FSDP2 internals it relies on are not there, or the files cannot be made.
+    """
+
+    def __init__(
+        self, root: nn.Module, fsdp_modules: list[nn.Module], cfg: OffloadParamConfig, aio: AioConfig, swap_dir: Any
+    ):
+        from hf_zero.offload.nvme import ALIGN, SwapSpace, round_up
+
+        self.cfg = cfg
+        self.error: OffloadError | None = None
+        self._fqns: dict[int, list[str]] = {}
+        for name, p in root.named_parameters(remove_duplicate=False):
+            self._fqns.setdefault(id(p), []).append(name)
+        self.max_in_cpu = int(cfg.max_in_cpu)
+        self.space = SwapSpace(swap_dir, aio, f"{_SETTING}.nvme_path", direct=False)
+        self.units: list[_Unit] = []
+        self._by_param: dict[int, tuple[_Unit, int]] = {}
+        self._lock = threading.RLock()
+        self._clock = 0
+        self._last_index: int | None = None
+        self._closed = False
+        self._pinned_units: set[int] = set()
+        groups = []
+        for module in fsdp_modules:
+            state = getattr(module, "_get_fsdp_state", None)
+            group = getattr(state(), "_fsdp_param_group", None) if state is not None else None
+            if group is None:
+                continue
+            if not hasattr(group, "unshard") or not hasattr(group, "fsdp_params") or not hasattr(group, "lazy_init"):
+                raise OffloadError(
+                    f"{_SETTING}.device=nvme relies on FSDP2's FSDPParamGroup.unshard/fsdp_params, which this "
+                    f"torch ({torch.__version__}) does not have; use offload_param.device=cpu"
+                )
+            # Pad/pin the shards now: FSDP2 would otherwise redo it at its first forward, reading them.
+            group.lazy_init()
+            groups.append(group)
+        total = 0
+        for index, group in enumerate(groups):
+            offsets, sizes = [], []
+            offset = 0
+            for fp in group.fsdp_params:
+                data = fp._sharded_param_data
+                size = data.numel() * data.element_size()
+                offsets.append(offset)
+                sizes.append(size)
+                offset += round_up(size, ALIGN)
+            unit = _Unit(
+                index=index,
+                group=group,
+                fsdp_params=list(group.fsdp_params),
+                record=f"param_unit{index:05d}.swp",
+                offsets=offsets,
+                sizes=sizes,
+                numel=sum(fp._sharded_param_data.numel() for fp in group.fsdp_params),
+            )
+            self.units.append(unit)
+            for i, fp in enumerate(group.fsdp_params):
+                self._by_param[id(fp.sharded_param)] = (unit, i)
+            total += max(offset, ALIGN)
+        self.space.check_free_space(total)
+        for unit in self.units:
+            self.space.create(unit.record, max(sum(round_up(s, ALIGN) for s in unit.sizes), ALIGN))
+            self._write_unit(unit, wait=True)
+            unit.dirty = False
+        for unit in self.units:
+            self._wrap_unshard(unit)
+        # Everything beyond max_in_cpu leaves host memory now.
+        self._evict_to_budget(keep=None)
+
+    # ------------------------------------------------------------------------------ FSDP seam
+    def _wrap_unshard(self, unit: _Unit) -> None:
+        original = unit.group.unshard
+
+        def unshard(*args: Any, **kwargs: Any) -> Any:
+            if self.error is None:
+                try:
+                    self.ensure_resident(unit)
+                    self._prefetch_after(unit)
+                except OffloadError as exc:
+                    # Raising here would leave the other ranks waiting in this unit's all-gather.
+                    # Keep the collective schedule (with zeros in place of the shard) and let the
+                    # optimizer step raise it on every rank (``raise_if_failed``).
+                    self.error = exc
+                    logger.error("hf_zero: %s", exc)
+            if self.error is not None:
+                self._fill_missing(unit)
+            return original(*args, **kwargs)
+
+        unit.group.unshard = unshard
+        unit._original_unshard = original  # type: ignore[attr-defined]
+
+    def _fill_missing(self, unit: _Unit) -> None:
+        for fp, size in zip(unit.fsdp_params, unit.sizes):
+            storage = fp._sharded_param_data.untyped_storage()
+            if storage.nbytes() < size:
+                storage.resize_(size)
+                fp._sharded_param_data.zero_()
+        unit.loading = []
+        unit.resident = True
+
+    def raise_if_failed(self) -> None:
+        """Raise the error a swap-in met during forward/backward (called inside the optimizer step,
+        whose agreement then raises it on every rank)."""
+        if self.error is not None:
+            raise self.error
+
+    def _prefetch_after(self, unit: _Unit) -> None:
+        """Read ahead the unit FSDP2 will gather next: the following one in the forward (the index
+        grows), the preceding one in the backward."""
+        last, self._last_index = self._last_index, unit.index
+        step = -1 if last is not None and unit.index < last else 1
+        nxt = unit.index + step
+        if 0 <= nxt < len(self.units):
+            self._start_load(self.units[nxt], keep=unit)
+
+    # ------------------------------------------------------------------------------ residency
+    def ensure_resident(self, unit: _Unit) -> None:
+        """Block until ``unit``'s shards are in host memory (reading them if needed).
+
+        Raises:
+            OffloadError: the swap file is gone, truncated, or unreadable.
+        """
+        with self._lock:
+            self._clock += 1
+            unit.last_use = self._clock
+            if not unit.resident and not unit.loading:
+                self._start_load(unit, keep=unit)
+            handles, unit.loading = unit.loading, []
+        from hf_zero.offload.nvme import wait_all
+
+        wait_all(handles)
+
+    def _start_load(self, unit: _Unit, keep: _Unit | None) -> None:
+        with self._lock:
+            if unit.resident or unit.loading:
+                return
+            self._evict_to_budget(keep=keep, need=unit.numel, loading=unit)
+            handles = []
+            for fp, offset, size in zip(unit.fsdp_params, unit.offsets, unit.sizes):
+                data = fp._sharded_param_data
+                data.untyped_storage().resize_(size)
+                if size:
+                    handles.append(self.space.read(unit.record, data, size, offset=offset))
+            unit.loading = handles
+            unit.resident = True
+
+    def _evict_to_budget(self, keep: _Unit | None, need: int = 0, loading: _Unit | None = None) -> None:
+        """Drop least-recently-used units until ``need`` more elements fit in ``max_in_cpu``."""
+        with self._lock:
+            used = sum(u.numel for u in self.units if u.resident)
+            candidates = sorted(
+                (u for u in self.units if u.resident and u is not keep and u is not loading
+                 and u.index not in self._pinned_units),
+                key=lambda u: u.last_use,
+            )
+            for unit in candidates:
+                if used + need <= self.max_in_cpu:
+                    break
+                self._evict(unit)
+                used -= unit.numel
+
+    def _evict(self, unit: _Unit) -> None:
+        from hf_zero.offload.nvme import wait_all
+
+        wait_all(unit.loading)
+        unit.loading = []
+        if unit.dirty:
+            self._write_unit(unit, wait=True)
+        wait_all(unit.writing)
+        unit.writing = []
+        if torch.cuda.is_available():
+            # An asynchronous host-to-device copy of this shard may still be reading it.
+            torch.cuda.synchronize()
+        for fp in unit.fsdp_params:
+            fp._sharded_param_data.untyped_storage().resize_(0)
+        unit.resident = False
+
+    def _write_unit(self, unit: _Unit, wait: bool) -> None:
+        handles = []
+        for fp, offset, size in zip(unit.fsdp_params, unit.offsets, unit.sizes):
+            if size:
+                handles.append(self.space.write(unit.record, fp._sharded_param_data, size, offset=offset))
+        unit.dirty = False
+        if wait:
+            from hf_zero.offload.nvme import wait_all
+
+            wait_all(handles)
+        else:
+            unit.writing.extend(handles)
+
+    # ------------------------------------------------------------------------------ updates
+    def write_param(self, param: nn.Parameter, start: int, values: torch.Tensor) -> None:
+        """Put updated values (flat, any dtype) into elements ``start..`` of ``param``'s shard:
+        into memory when its unit is resident (written back later), else straight into the file."""
+        unit, i = self._by_param[id(param)]
+        fp = unit.fsdp_params[i]
+        with self._lock:
+            if unit.loading:
+                self.ensure_resident(unit)
+            if unit.resident:
+                data = fp._sharded_param_data
+                data[start : start + values.numel()].copy_(values)
+                unit.dirty = True
+                return
+        dtype = fp._sharded_param_data.dtype
+        piece = values.to("cpu", dtype).contiguous()
+        itemsize = piece.element_size()
+        self.space.write(unit.record, piece, piece.numel() * itemsize, offset=unit.offsets[i] + start * itemsize).wait()
+
+    def write_behind(self) -> None:
+        """Start writing the units the step changed (on the I/O threads; waited for on eviction)."""
+        with self._lock:
+            for unit in self.units:
+                if unit.resident and unit.dirty:
+                    self._write_unit(unit, wait=False)
+
+    def flush(self) -> None:
+        """Write every dirty resident unit and wait for all writes."""
+        self.write_behind()
+        from hf_zero.offload.nvme import wait_all
+
+        for unit in self.units:
+            handles, unit.writing = unit.writing, []
+            wait_all(handles)
+
+    @contextlib.contextmanager
+    def resident(self, write_back: bool = True) -> Iterator[None]:
+        """Every unit in host memory inside the block (for state dicts, exports, loads). With
+        ``write_back`` the block may change them: they are written back on exit. Either way the
+        ``max_in_cpu`` budget is restored on exit."""
+        with self._lock:
+            self._pinned_units = {u.index for u in self.units}
+            for unit in self.units:
+                self._start_load(unit, keep=None) if not unit.resident else None
+        from hf_zero.offload.nvme import wait_all
+
+        for unit in self.units:
+            handles, unit.loading = unit.loading, []
+            wait_all(handles)
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._pinned_units = set()
+                if write_back:
+                    for unit in self.units:
+                        unit.dirty = True
+                    self.flush()
+                self._evict_to_budget(keep=None)
+
+    def materialize(self, module_state: dict[str, Any], skip: set[str] = frozenset()) -> None:
+        """Replace the swapped parameters' entries of a model state dict by host copies (a
+        checkpoint writer reads them after the state-dict call returns). ``skip``: names whose
+        entries were replaced already (fp32 masters)."""
+        with self.resident(write_back=False):
+            for unit in self.units:
+                for fp in unit.fsdp_params:
+                    for name in self._fqns.get(id(fp.sharded_param), []):
+                        if name in module_state and name not in skip:
+                            module_state[name] = _detached_copy(fp.sharded_param)
+
+    # ------------------------------------------------------------------------------ report
+    def memory_report(self) -> TierReport:
+        report = empty_report()
+        for unit in self.units:
+            size = sum(unit.sizes)
+            report["params"]["host" if unit.resident else "nvme"] += size
+        return report
+
+    def claimed_params(self) -> set[int]:
+        return set(self._by_param)
+
+    def swap_files(self) -> list[str]:
+        return [self.space.path(u.record) for u in self.units]
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for unit in self.units:
+            original = getattr(unit, "_original_unshard", None)
+            if original is not None:
+                unit.group.unshard = original
+        self.space.close()
+
+
+def _detached_copy(value: torch.Tensor) -> torch.Tensor:
+    from hf_zero.offload.cpu_optimizer import host_dtensor
+
+    if hasattr(value, "to_local"):
+        return host_dtensor(value.to_local().detach().clone(), value)
+    return value.detach().clone()

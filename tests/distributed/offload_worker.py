@@ -1,0 +1,183 @@
+"""Run under torchrun: train offloaded and non-offloaded engines and save what the tests compare.
+
+    torchrun --standalone --nproc_per_node 2 tests/distributed/offload_worker.py MODE CASES.json OUT.pt NVME_DIR
+
+MODE ``parity``: each case (an :class:`OffloadCase`) trains offloaded, and its non-offloaded
+baseline (same stage/dtype/accumulation/model) trains once; rank 0 writes ``{name: {"losses",
+"grad_norms", "final_state", "ranks": [per-rank memory report, swap files seen during the run,
+swap folder after close]}}``.
+
+MODE ``resume``: for each case, train 2 steps, save a sharded checkpoint, train 2 more; then resume
+that checkpoint into the *other* kind of engine (offloaded <-> not) and train the same 2 steps.
+Writes ``{name: {"uninterrupted": [...], "resumed": [...]}}`` for both directions.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import sys
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+from _cases import Case  # noqa: E402
+from _models import make_data, tiny_model  # noqa: E402
+
+
+@dataclass(frozen=True)
+class OffloadCase:
+    stage: int
+    dtype: str
+    gas: int
+    model: str
+    optimizer: str = "cpu"  # none | cpu | nvme
+    params: str = "none"  # none | cpu | nvme
+    ratio: float = 1.0
+    sub_group_size: int = 20_000
+    buffer_count: int = 3
+    max_in_cpu: int = 1_000_000_000
+    steps: int = 4
+    extra: dict = field(default_factory=dict, hash=False, compare=False)
+
+    @property
+    def base(self) -> Case:
+        return Case(stage=self.stage, dtype=self.dtype, gas=self.gas, model=self.model, steps=self.steps)
+
+    @property
+    def name(self) -> str:
+        tail = f"-ratio{self.ratio}" if self.ratio < 1 else ""
+        return f"{self.base.name}-opt_{self.optimizer}-param_{self.params}{tail}"
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def zero_config(self, nvme_dir: str, offload: bool = True) -> dict:
+        cfg = self.base.zero_config()
+        if not offload:
+            return cfg
+        zero = cfg["zero_optimization"]
+        zero["sub_group_size"] = self.sub_group_size
+        if self.optimizer != "none":
+            zero["offload_optimizer"] = {"device": self.optimizer, "nvme_path": nvme_dir,
+                                         "buffer_count": self.buffer_count, "ratio": self.ratio}
+        if self.params != "none":
+            zero["offload_param"] = {"device": self.params, "nvme_path": nvme_dir, "max_in_cpu": self.max_in_cpu}
+        cfg["aio"] = {"block_size": 8192, "queue_depth": 4, "thread_count": 2}
+        for key, value in self.extra.items():
+            cfg["aio"][key] = value
+        return cfg
+
+
+def train(engine, case: OffloadCase, start: int, stop: int, data: torch.Tensor, on_step=None) -> tuple[list, list]:
+    rank, world = engine.env.rank, engine.env.world_size
+    losses, norms = [], []
+    for step in range(start, stop):
+        total = torch.zeros(())
+        for k in range(case.gas):
+            ids = data[step, k, rank].to(engine.env.device)
+            loss = engine(input_ids=ids, labels=ids).loss
+            engine.backward(loss)
+            total += loss.detach().float().cpu()
+            if on_step is not None and k == case.gas - 1:
+                on_step(step)
+            engine.step()
+        dist.all_reduce(total)
+        losses.append(float(total) / (case.gas * world))
+        norms.append(engine.get_global_grad_norm())
+    return losses, norms
+
+
+def full_state(engine) -> dict:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    # With an offloaded optimizer the model holds 16-bit shards; the fp32 masters are in the
+    # engine's state dict, which is what a checkpoint (and consolidation) saves.
+    state = engine.state_dict()["module"]
+    out = {}
+    for key, value in state.items():
+        out[key] = value.full_tensor() if hasattr(value, "full_tensor") else value
+    del StateDictOptions, get_model_state_dict
+    return {k: v.detach().float().cpu().clone() for k, v in out.items()}
+
+
+def run_parity(case: OffloadCase, nvme_dir: str, offload: bool) -> dict:
+    import hf_zero
+
+    model = tiny_model(case.model)
+    engine = hf_zero.initialize(model, case.zero_config(nvme_dir, offload))
+    rank = engine.env.rank
+    data = make_data(case.steps, case.gas, engine.env.world_size, case.base.micro, case.base.seq)
+    seen: dict = {}
+
+    def on_step(step: int) -> None:
+        if step == case.steps - 1:
+            seen["memory"] = engine.memory_report()
+            seen["files"] = sorted(engine.offload.swap_files()) if engine.offload else []
+            seen["files_exist"] = all(os.path.exists(f) for f in seen["files"])
+            seen["dirs"] = engine.offload.swap_dirs() if engine.offload else []
+
+    losses, norms = train(engine, case, 0, case.steps, data, on_step)
+    final = full_state(engine)
+    engine.close()
+    seen["dirs_after_close"] = [d for d in seen["dirs"] if os.path.exists(d)]
+    seen["run_dirs_after_close"] = sorted(glob.glob(os.path.join(nvme_dir, "hf_zero-*")))
+    per_rank = [None] * engine.env.world_size
+    dist.all_gather_object(per_rank, seen)
+    return {"losses": losses, "grad_norms": norms, "final_state": final if rank == 0 else None, "ranks": per_rank}
+
+
+def run_resume(case: OffloadCase, nvme_dir: str, ckpt_root: str, first_offloaded: bool) -> dict:
+    """Uninterrupted 4 steps (first kind) vs. 2 steps + checkpoint + 2 steps in the other kind."""
+    import hf_zero
+    from hf_zero.checkpoint.sharded import load_checkpoint, save_checkpoint
+
+    data = make_data(case.steps, case.gas, dist.get_world_size(), case.base.micro, case.base.seq)
+    engine = hf_zero.initialize(tiny_model(case.model), case.zero_config(nvme_dir, first_offloaded))
+    first, _ = train(engine, case, 0, 2, data)
+    ckpt = os.path.join(ckpt_root, f"{case.name}-{first_offloaded}")
+    save_checkpoint(engine, ckpt)
+    rest, _ = train(engine, case, 2, case.steps, data)
+    engine.close()
+    other = hf_zero.initialize(tiny_model(case.model, seed=7), case.zero_config(nvme_dir, not first_offloaded))
+    load_checkpoint(other, ckpt)
+    resumed, _ = train(other, case, 2, case.steps, data)
+    other.close()
+    return {"first": first, "uninterrupted": rest, "resumed": resumed}
+
+
+def main() -> None:
+    mode, cases_path, out_path, nvme_dir = sys.argv[1:5]
+    with open(cases_path) as f:
+        cases = [OffloadCase(**c) for c in json.load(f)]
+    results: dict = {}
+    if mode == "parity":
+        baselines: dict = {}
+        for case in cases:
+            key = case.base.name
+            if key not in baselines:
+                baselines[key] = run_parity(case, nvme_dir, offload=False)
+            results[case.name] = run_parity(case, nvme_dir, offload=True)
+        results["baselines"] = baselines
+    elif mode == "resume":
+        ckpt_root = os.path.join(os.path.dirname(out_path), "ckpt")
+        for case in cases:
+            results[case.name] = {
+                "offloaded_to_plain": run_resume(case, nvme_dir, ckpt_root, first_offloaded=True),
+                "plain_to_offloaded": run_resume(case, nvme_dir, ckpt_root, first_offloaded=False),
+            }
+    else:
+        raise SystemExit(f"unknown mode {mode}")
+    if dist.get_rank() == 0:
+        torch.save(results, out_path + ".tmp")
+        os.replace(out_path + ".tmp", out_path)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
