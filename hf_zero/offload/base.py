@@ -147,7 +147,7 @@ def alloc_host(
     except (RuntimeError, MemoryError) as exc:
         what = "pin" if pin else "allocate"
         raise OffloadError(
-            f"could not {what} {(numel * itemsize + extra) / 2**20:.1f} MiB of host memory ({exc}); "
+            f"could not {what} {format_bytes(numel * itemsize + extra)} of host memory ({exc}); "
             + (f"set {setting}=false, or lower the buffer sizes (sub_group_size, buffer_count)"
                if pin else "lower the buffer sizes (sub_group_size, buffer_count) or add host memory")
         ) from exc
@@ -155,6 +155,16 @@ def alloc_host(
     if extra:
         start = (-raw.data_ptr()) % align
     return raw[start : start + numel * itemsize].view(dtype)
+
+
+def format_bytes(n: int) -> str:
+    """``1536`` -> ``"1.5 KiB"``: sizes in messages."""
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if value < 1024 or unit == "GiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{n} B"  # pragma: no cover
 
 
 def _allocate(nbytes_: int, pin: bool) -> torch.Tensor:

@@ -452,7 +452,8 @@ class SwapSpace:
             self.bytes_read += nbytes
         else:
             self.bytes_written += nbytes
-        handle = IOHandle(futures or [_Completed()], lambda exc: self._os_error(exc, rec.path, op + "ing"))
+        doing = "reading" if op == "read" else "writing"
+        handle = IOHandle(futures or [_Completed()], lambda exc: self._os_error(exc, rec.path, doing))
         handle.keep_alive = raw  # the I/O threads write through a raw pointer into this memory
         if not self.overlap:
             handle.wait()  # aio.overlap_events=false: no I/O runs behind the caller's back
@@ -502,7 +503,7 @@ class SwapSpace:
                     raise
                 if n <= 0:
                     raise OffloadError(
-                        f"swap file {path} ended at byte {base + pos} while {op}ing: "
+                        f"swap file {path} ended at byte {base + pos} while {'reading' if op == 'read' else 'writing'}: "
                         "it was truncated under the running job"
                     )
                 done += n

@@ -10,6 +10,10 @@ swap folder after close]}}``.
 MODE ``resume``: for each case, train 2 steps, save a sharded checkpoint, train 2 more; then resume
 that checkpoint into the *other* kind of engine (offloaded <-> not) and train the same 2 steps.
 Writes ``{name: {"uninterrupted": [...], "resumed": [...]}}`` for both directions.
+
+MODE ``faults``: the fault scenarios of :data:`FAULTS`, one after the other in the same processes;
+each injects a fault on one rank (or both) and records, per rank, the error the rank got. Writes
+``{scenario: [per-rank {"error", "type", ...}]}``.
 """
 
 from __future__ import annotations
@@ -52,6 +56,11 @@ class OffloadCase:
     def name(self) -> str:
         tail = f"-ratio{self.ratio}" if self.ratio < 1 else ""
         return f"{self.base.name}-opt_{self.optimizer}-param_{self.params}{tail}"
+
+    @property
+    def full_name(self) -> str:
+        tag = "-" + "-".join(f"{k}_{v}" for k, v in sorted(self.extra.items())) if self.extra else ""
+        return self.name + tag
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -124,6 +133,7 @@ def run_parity(case: OffloadCase, nvme_dir: str, offload: bool) -> dict:
     losses, norms = train(engine, case, 0, case.steps, data, on_step)
     final = full_state(engine)
     engine.close()
+    dist.barrier()  # every rank has closed: its folder, and the run's, must be gone
     seen["dirs_after_close"] = [d for d in seen["dirs"] if os.path.exists(d)]
     seen["run_dirs_after_close"] = sorted(glob.glob(os.path.join(nvme_dir, "hf_zero-*")))
     per_rank = [None] * engine.env.world_size
@@ -150,10 +160,114 @@ def run_resume(case: OffloadCase, nvme_dir: str, ckpt_root: str, first_offloaded
     return {"first": first, "uninterrupted": rest, "resumed": resumed}
 
 
+# ---------------------------------------------------------------------------------------------- faults
+FAULTS = ("missing_path", "unwritable_rank1", "pin_rank1", "enospc_rank1", "truncate_rank0", "delete_param_rank1")
+
+
+def _fault_case(scenario: str) -> OffloadCase:
+    if scenario == "delete_param_rank1":
+        return OffloadCase(stage=3, dtype="fp32", gas=1, model="llama", optimizer="nvme", params="nvme",
+                           max_in_cpu=20_000, steps=3)
+    if scenario == "truncate_rank0":
+        return OffloadCase(stage=3, dtype="bf16", gas=1, model="llama", optimizer="nvme", steps=3)
+    return OffloadCase(stage=2, dtype="fp32", gas=1, model="llama", optimizer="nvme", steps=3)
+
+
+def run_fault(scenario: str, nvme_dir: str, work: str) -> dict:
+    import errno
+
+    import hf_zero
+    import hf_zero.offload.base as base
+    import hf_zero.offload.nvme as nvme
+    from hf_zero.checkpoint.sharded import load_checkpoint, read_marker, save_checkpoint
+
+    rank = dist.get_rank()
+    case = _fault_case(scenario)
+    cfg = case.zero_config(nvme_dir)
+    out: dict = {"error": None, "type": None}
+    saved = {}
+    patches = []
+
+    def patch(obj, name, value):
+        patches.append((obj, name, getattr(obj, name)))
+        setattr(obj, name, value)
+
+    if scenario == "missing_path":
+        cfg["zero_optimization"]["offload_optimizer"]["nvme_path"] = os.path.join(nvme_dir, "does-not-exist")
+    elif scenario == "unwritable_rank1" and rank == 1:
+        real_makedirs = os.makedirs
+
+        def makedirs(path, *args, **kwargs):
+            if str(path).startswith(nvme_dir):
+                raise PermissionError(errno.EACCES, "Permission denied", path)
+            return real_makedirs(path, *args, **kwargs)
+
+        patch(nvme.os, "makedirs", makedirs)
+    elif scenario == "pin_rank1":
+        cfg["zero_optimization"]["offload_optimizer"]["pin_memory"] = True
+        if rank == 1:
+            real_allocate = base._allocate
+
+            def allocate(nbytes, pin):
+                if pin:
+                    raise RuntimeError("CUDA error: out of memory (cudaHostAlloc)")
+                return real_allocate(nbytes, pin)
+
+            patch(base, "_pin_available", lambda: True)
+            patch(base, "_allocate", allocate)
+    engine = None
+    try:
+        engine = hf_zero.initialize(tiny_model(case.model), cfg)
+        data = make_data(case.steps, case.gas, dist.get_world_size(), case.base.micro, case.base.seq)
+        train(engine, case, 0, 1, data)
+        ckpt = os.path.join(work, f"fault-{scenario}")
+        save_checkpoint(engine, ckpt)
+        saved = {k: v.clone() for k, v in full_state(engine).items()}
+        files = engine.offload.swap_files()
+        if scenario == "enospc_rank1" and rank == 1:
+            def pwritev(fd, buffers, offset):
+                raise OSError(errno.ENOSPC, "No space left on device")
+
+            patch(nvme, "_pwritev", pwritev)
+        elif scenario == "truncate_rank0" and rank == 0:
+            victim = next(f for f in files if "optimizer_chunk" in f)
+            os.truncate(victim, 100)
+            out["victim"] = victim
+        elif scenario == "delete_param_rank1" and rank == 1:
+            resident = {u.record for u in engine.offload.params.units if u.resident}
+            victim = next(f for f in files if "param_unit" in f and os.path.basename(f) not in resident)
+            os.remove(victim)
+            out["victim"] = victim
+        train(engine, case, 1, case.steps, data)
+    except Exception as exc:  # noqa: BLE001 -- recorded for the test
+        out["error"] = str(exc)
+        out["type"] = type(exc).__name__
+    finally:
+        for obj, name, value in reversed(patches):
+            setattr(obj, name, value)
+        if engine is not None:
+            engine.close()
+    dist.barrier()
+    out["leftover"] = sorted(glob.glob(os.path.join(nvme_dir, "hf_zero-*")))
+    if saved:
+        # The checkpoint saved before the fault still loads, and holds the weights it was saved with.
+        ckpt = os.path.join(work, f"fault-{scenario}")
+        read_marker(ckpt)
+        plain = hf_zero.initialize(tiny_model(case.model, seed=3), case.zero_config(nvme_dir, offload=False))
+        load_checkpoint(plain, ckpt)
+        reloaded = full_state(plain)
+        out["checkpoint_intact"] = all(torch.equal(reloaded[k], saved[k]) for k in saved)
+        plain.close()
+    return out
+
+
 def main() -> None:
+    from hf_zero.distributed.env import init_distributed
+
     mode, cases_path, out_path, nvme_dir = sys.argv[1:5]
+    init_distributed()
     with open(cases_path) as f:
-        cases = [OffloadCase(**c) for c in json.load(f)]
+        cases = [OffloadCase(**c) for c in json.load(f)] if mode != "faults" else []
     results: dict = {}
     if mode == "parity":
         baselines: dict = {}
@@ -161,15 +275,21 @@ def main() -> None:
             key = case.base.name
             if key not in baselines:
                 baselines[key] = run_parity(case, nvme_dir, offload=False)
-            results[case.name] = run_parity(case, nvme_dir, offload=True)
+            results[case.full_name] = run_parity(case, nvme_dir, offload=True)
         results["baselines"] = baselines
     elif mode == "resume":
         ckpt_root = os.path.join(os.path.dirname(out_path), "ckpt")
         for case in cases:
-            results[case.name] = {
+            results[case.full_name] = {
                 "offloaded_to_plain": run_resume(case, nvme_dir, ckpt_root, first_offloaded=True),
                 "plain_to_offloaded": run_resume(case, nvme_dir, ckpt_root, first_offloaded=False),
             }
+    elif mode == "faults":
+        work = os.path.dirname(out_path)
+        for scenario in FAULTS:
+            per_rank = [None] * dist.get_world_size()
+            dist.all_gather_object(per_rank, run_fault(scenario, nvme_dir, work))
+            results[scenario] = per_rank
     else:
         raise SystemExit(f"unknown mode {mode}")
     if dist.get_rank() == 0:
