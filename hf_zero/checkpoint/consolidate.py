@@ -30,7 +30,7 @@ from hf_zero.checkpoint.export16 import (
     write_json,
     write_safetensors,
 )
-from hf_zero.checkpoint.sharded import CheckpointError, read_marker
+from hf_zero.checkpoint.sharded import CheckpointError, read_marker, resolve_checkpoint_dir
 
 __all__ = ["consolidate_checkpoint", "COPIED_FILE_PATTERNS"]
 
@@ -66,7 +66,9 @@ def consolidate_checkpoint(
     """Write the model weights of a sharded checkpoint as a ``from_pretrained`` directory.
 
     Args:
-        checkpoint_dir: a directory written by :func:`hf_zero.checkpoint.sharded.save_checkpoint`.
+        checkpoint_dir: a directory written by :func:`hf_zero.checkpoint.sharded.save_checkpoint`,
+            or a Trainer checkpoint folder holding one such directory (its tokenizer and config
+            files are copied too).
         output_dir: where to write; must not exist or be empty. Written into a temporary
             directory next to it and renamed, so an interrupted run leaves no partial output.
         dtype: ``"fp32"`` (the fp32 master weights, exact), ``"bf16"`` or ``"fp16"``.
@@ -86,7 +88,8 @@ def consolidate_checkpoint(
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
     from tqdm.auto import tqdm
 
-    src = os.path.abspath(os.fspath(checkpoint_dir))
+    given = os.path.abspath(os.fspath(checkpoint_dir))
+    src = resolve_checkpoint_dir(given)
     out = os.path.abspath(os.fspath(output_dir))
     target = resolve_dtype(dtype)
     info = read_marker(src)
@@ -159,7 +162,8 @@ def consolidate_checkpoint(
         if plan.index is not None:
             write_json(os.path.join(tmp, WEIGHTS_INDEX_NAME), plan.index)
             written.append(WEIGHTS_INDEX_NAME)
-        written += _copy_model_files(src, tmp, adapter=adapter_keys is not None, dtype=target)
+        # The checkpoint's own config first, then the tokenizer etc. of the Trainer folder around it.
+        written += _copy_model_files([src, given], tmp, adapter=adapter_keys is not None, dtype=target)
         if os.path.isdir(out):
             os.rmdir(out)  # empty (checked above)
         os.replace(tmp, out)
@@ -169,14 +173,18 @@ def consolidate_checkpoint(
     return written
 
 
-def _copy_model_files(src: str, dst: str, *, adapter: bool, dtype: torch.dtype | None) -> list[str]:
-    patterns = (ADAPTER_CONFIG_NAME,) if adapter else COPIED_FILE_PATTERNS
-    copied = []
-    for name in sorted(os.listdir(src)):
-        path = os.path.join(src, name)
-        if os.path.isfile(path) and any(fnmatch.fnmatch(name, p) for p in patterns):
-            shutil.copy2(path, os.path.join(dst, name))
-            copied.append(name)
+def _copy_model_files(sources: list[str], dst: str, *, adapter: bool, dtype: torch.dtype | None) -> list[str]:
+    # An adapter folder gets the tokenizer but not the base model's config (it has no base weights).
+    patterns = COPIED_FILE_PATTERNS
+    if adapter:
+        patterns = (ADAPTER_CONFIG_NAME,) + tuple(p for p in patterns if p not in ("config.json", "generation_config.json"))
+    copied: list[str] = []
+    for src in dict.fromkeys(sources):
+        for name in sorted(os.listdir(src)):
+            path = os.path.join(src, name)
+            if name not in copied and os.path.isfile(path) and any(fnmatch.fnmatch(name, p) for p in patterns):
+                shutil.copy2(path, os.path.join(dst, name))
+                copied.append(name)
     if not adapter and dtype is not None and "config.json" in copied:
         _set_config_dtype(os.path.join(dst, "config.json"), dtype)
     return copied

@@ -27,7 +27,7 @@ import os
 import re
 import shutil
 import uuid
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,6 +43,7 @@ __all__ = [
     "resolve_dtype",
     "tied_groups",
     "peft_adapter_key_map",
+    "save_model_config",
 ]
 
 logger = logging.getLogger("hf_zero")
@@ -153,13 +154,6 @@ def _gather_one(value: torch.Tensor, dtype: torch.dtype | None, keep: bool) -> t
     if not keep:
         return None
     return _cpu_copy(full, local)
-
-
-def _iter_gathered(
-    state: dict[str, torch.Tensor], names: list[str], dtype: torch.dtype | None, keep: bool
-) -> Iterator[tuple[str, torch.Tensor | None]]:
-    for name in names:
-        yield name, _gather_one(state[name], dtype, keep)
 
 
 def gather_full_state_dict(
@@ -315,7 +309,7 @@ def _is_weight_file(name: str) -> bool:
     return name in (WEIGHTS_NAME, WEIGHTS_INDEX_NAME) or bool(_SHARD_RE.match(name))
 
 
-def _save_model_config(module: nn.Module, directory: str, dtype: torch.dtype | None) -> list[str]:
+def save_model_config(module: nn.Module, directory: str, dtype: torch.dtype | None) -> list[str]:
     """``config.json`` (and ``generation_config.json``) as ``save_pretrained`` writes them."""
     config = getattr(module, "config", None)
     written: list[str] = []
@@ -452,7 +446,7 @@ def _finish_export(
         stale = lambda name: name in (ADAPTER_WEIGHTS_NAME, ADAPTER_CONFIG_NAME)  # noqa: E731
     else:
         if save_config:
-            extra = _save_model_config(module, tmp, dtype)
+            extra = save_model_config(module, tmp, dtype)
         last = []
         if plan.index is not None:
             write_json(os.path.join(tmp, WEIGHTS_INDEX_NAME), plan.index)

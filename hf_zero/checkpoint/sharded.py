@@ -39,8 +39,7 @@ import torch.distributed as dist
 from torch import nn
 
 from hf_zero.checkpoint.export16 import (
-    ADAPTER_CONFIG_NAME,
-    _save_model_config,
+    save_model_config,
     peft_adapter_key_map,
     tied_groups,
     unwrap_model,
@@ -54,6 +53,8 @@ __all__ = [
     "save_checkpoint",
     "load_checkpoint",
     "read_marker",
+    "load_rng_state",
+    "resolve_checkpoint_dir",
 ]
 
 logger = logging.getLogger("hf_zero")
@@ -283,14 +284,16 @@ def save_checkpoint(engine: Any, checkpoint_dir: str | os.PathLike, *, extra_sta
 
     rank = _rank()
     final = os.path.abspath(os.fspath(checkpoint_dir))
-    extra_json = json.dumps(extra_state, indent=2, sort_keys=True) if extra_state is not None else None
     tmp = f"{final}.tmp-{_broadcast(uuid.uuid4().hex[:12])}"
     module = unwrap_model(engine)
     started = time.perf_counter()
 
     error: BaseException | None = None
+    extra_json: str | None = None
     if rank == 0:
         try:
+            if extra_state is not None:
+                extra_json = json.dumps(extra_state, indent=2, sort_keys=True)
             _remove_stale_temp_dirs(final)
             os.makedirs(tmp)
         except BaseException as exc:
@@ -362,7 +365,7 @@ def _finish_save(engine: Any, module: nn.Module, tmp: str, final: str, extra_jso
     adapter_keys = peft_adapter_key_map(module)
     if adapter_keys is not None:
         module.peft_config[module.active_adapter].save_pretrained(tmp)
-    _save_model_config(module, tmp, None)
+    save_model_config(module, tmp, None)
     info = _marker(engine, module, adapter_keys, has_extra=extra_json is not None)
     _write_marker(os.path.join(tmp, MARKER_NAME), info)
     if not os.path.exists(final):
@@ -442,6 +445,7 @@ def load_checkpoint(engine: Any, checkpoint_dir: str | os.PathLike) -> dict | No
     info: dict[str, Any] = {}
     module = unwrap_model(engine)
     try:
+        path = resolve_checkpoint_dir(path)
         info = read_marker(path)
         _check_model_matches(info, module, path)
         if engine.optimizer is not None and not info.get("has_optimizer", True):
@@ -464,10 +468,7 @@ def load_checkpoint(engine: Any, checkpoint_dir: str | os.PathLike) -> dict | No
     engine.load_state_dict(state)
     del state
 
-    rng_file = os.path.join(path, RNG_NAME.format(rank=_rank()))
-    if os.path.exists(rng_file):
-        _set_rng_state(torch.load(rng_file, weights_only=True))
-    else:
+    if not load_rng_state(path):
         logger.info(
             "hf_zero: %s has no RNG state for rank %d (saved on %d ranks); this rank keeps its own",
             path, _rank(), info.get("world_size"),
@@ -482,6 +483,49 @@ def load_checkpoint(engine: Any, checkpoint_dir: str | os.PathLike) -> dict | No
         with open(extra_path, encoding="utf-8") as f:
             return json.load(f)
     return None
+
+
+def load_rng_state(checkpoint_dir: str | os.PathLike) -> bool:
+    """Restore this rank's python, numpy, torch CPU (and CUDA) generators from a checkpoint.
+
+    :func:`load_checkpoint` does it too; the Trainer calls this again where it re-seeds (at the
+    start of the resumed epoch). Rank ``r`` reads what rank ``r`` saved.
+
+    Returns:
+        True if this rank's states were in the checkpoint and are restored; False if the saving
+        run had fewer ranks (this rank keeps its own generators).
+    """
+    path = os.path.join(os.fspath(checkpoint_dir), RNG_NAME.format(rank=_rank()))
+    if not os.path.exists(path):
+        return False
+    _set_rng_state(torch.load(path, weights_only=True))
+    return True
+
+
+def resolve_checkpoint_dir(path: str | os.PathLike) -> str:
+    """The hf_zero checkpoint directory at ``path``, or the one subdirectory of ``path`` holding one.
+
+    A Trainer checkpoint (``checkpoint-500/``) keeps the sharded state in a subdirectory next to
+    the tokenizer and trainer files, so either directory may be given.
+
+    Raises:
+        FileNotFoundError: ``path`` does not exist.
+        IncompleteCheckpointError: no complete checkpoint there (an interrupted save, or none).
+        CheckpointError: several subdirectories hold checkpoints.
+    """
+    path = os.path.abspath(os.fspath(path))
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"checkpoint directory {path} does not exist")
+    if os.path.isfile(os.path.join(path, MARKER_NAME)) or os.path.isfile(os.path.join(path, _DCP_METADATA)):
+        return path
+    candidates = [
+        os.path.join(path, name)
+        for name in sorted(os.listdir(path))
+        if os.path.isfile(os.path.join(path, name, MARKER_NAME)) or os.path.isfile(os.path.join(path, name, _DCP_METADATA))
+    ]
+    if len(candidates) > 1:
+        raise CheckpointError(f"{path} holds several checkpoints ({', '.join(candidates)}); name one")
+    return candidates[0] if candidates else path
 
 
 def _local_param_groups(engine: Any, module: nn.Module) -> list[dict]:

@@ -7,8 +7,8 @@ Three torchrun launches serve every test (each launch costs seconds):
    export at stage 3, train 3 steps -> save -> train 3 more at stages 0-3 (the continuous
    reference), interrupted saves.
 2. 1 rank: resume the 2-rank stage 1 and 2 checkpoints (2 -> 1); train/save at stages 1 and 3.
-3. 2 ranks: resume the stage 0-3 checkpoints on the same ranks, the stage 2 one at stage 3, and
-   the 1-rank ones (1 -> 2).
+3. 2 ranks: resume the stage 0-3 checkpoints on the same ranks, at other stages (2 -> 3, 1 -> 3,
+   2 -> 0), and the 1-rank ones (1 -> 2).
 """
 
 from __future__ import annotations
@@ -55,6 +55,8 @@ def runs(tmp_path_factory):
     for stage in range(4):
         first.append({"kind": "train_save", "name": f"save-s{stage}", "stage": stage, "model": MODEL_OF_STAGE[stage],
                       "ckpt": ck(f"ckpt-s{stage}"), **({"foreign_file": "trainer_state.json"} if stage == 2 else {})})
+    first.append({"kind": "train_save", "name": "save-s2-fp16", "stage": 2, "model": "qwen2_tied", "dtype": "fp16",
+                  "ckpt": ck("ckpt-s2-fp16")})
     first.append({"kind": "train_save", "name": "save-s3-lora", "stage": 3, "model": "llama", "peft": True,
                   "ckpt": ck("ckpt-s3-lora")})
     first.append({"kind": "interrupt", "name": "interrupt", "stage": 2, "model": "qwen2_tied", "dir": ck("interrupt")})
@@ -75,6 +77,10 @@ def runs(tmp_path_factory):
     ]
     third += [
         {"kind": "resume", "name": "resume-s2-as-s3", "stage": 3, "model": "qwen2_tied", "ckpt": ck("ckpt-s2")},
+        {"kind": "resume", "name": "resume-s1-as-s3", "stage": 3, "model": "llama", "ckpt": ck("ckpt-s1")},
+        {"kind": "resume", "name": "resume-s2-as-s0", "stage": 0, "model": "qwen2_tied", "ckpt": ck("ckpt-s2")},
+        {"kind": "resume", "name": "resume-s2-fp16", "stage": 2, "model": "qwen2_tied", "dtype": "fp16",
+         "ckpt": ck("ckpt-s2-fp16")},
         {"kind": "resume", "name": "resume-s3-lora", "stage": 3, "model": "llama", "peft": True, "ckpt": ck("ckpt-s3-lora")},
         {"kind": "resume", "name": "resume-s1-1to2", "stage": 1, "model": "llama", "ckpt": ck("ckpt-s1-1rank")},
         {"kind": "resume", "name": "resume-s3-1to2", "stage": 3, "model": "llama", "ckpt": ck("ckpt-s3-1rank")},
@@ -185,8 +191,18 @@ def test_one_rank_and_two_rank_runs_agree(runs):
     torch.testing.assert_close(runs["save-s3-1rank"]["after"], runs["save-s3"]["after"], rtol=1e-5, atol=0)
 
 
-def test_resume_stage2_checkpoint_at_stage3(runs):
-    _assert_same_losses(runs["resume-s2-as-s3"]["after"], runs["save-s2"]["after"], exact=False)
+@pytest.mark.parametrize(("resumed", "saved"), [("resume-s2-as-s3", "save-s2"), ("resume-s1-as-s3", "save-s1"),
+                                                ("resume-s2-as-s0", "save-s2")])
+def test_resume_at_another_stage(runs, resumed, saved):
+    # Parameter-name keys make the layouts interchangeable: DCP reads whole tensors into shards
+    # (stage 1 -> 3) and shards into whole tensors (stage 2 -> 0).
+    _assert_same_losses(runs[resumed]["after"], runs[saved]["after"], exact=False)
+
+
+def test_resume_fp16_restores_the_loss_scaler(runs):
+    saved, resumed = runs["save-s2-fp16"], runs["resume-s2-fp16"]
+    assert resumed["loss_scale_loaded"] == saved["loss_scale_saved"] != 2.0**16  # not the fresh-engine default
+    _assert_same_losses(resumed["after"], saved["after"], exact=True)
 
 
 def test_resume_lora_under_stage3(runs):
