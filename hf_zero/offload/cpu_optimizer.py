@@ -60,6 +60,10 @@ logger = logging.getLogger("hf_zero")
 _IMPL_KEYS = frozenset({"params", "fused", "foreach", "capturable", "differentiable"})
 """Group keys that choose a kernel for the *device* tensors; the host optimizers choose their own."""
 _SETTING = "zero_optimization.offload_optimizer"
+_SPLIT_ALIGN = 256
+"""A parameter split between chunks is cut at multiples of this many elements (1 KiB of fp32):
+torch's fused CPU kernels run a vectorised body and a scalar tail that may round differently in
+the last bit, so aligned cuts keep the update bit-identical to an unsplit step."""
 _BROADCAST_BUCKET = 1 << 26
 """Elements per broadcast at stage 1 (256 MiB of fp32): bounds the temporary flat buffer."""
 
@@ -310,12 +314,15 @@ class OffloadedOptimizer(torch.optim.Optimizer):
     def _plan_chunks(self, splittable: bool) -> None:
         """Cut the slots into chunks of at most ``sub_group_size`` elements.
 
-        Element-wise optimizers (Adam, AdamW, SGD, Lion) may split a parameter between chunks,
-        which keeps every chunk -- and so every NVMe buffer -- within ``sub_group_size``. Others
+        Element-wise optimizers (Adam, AdamW, SGD, Lion) may split a parameter between chunks
+        (at multiples of 256 elements), which keeps every chunk -- and so every NVMe buffer --
+        within ``sub_group_size``. Others
         (LAMB's trust ratio needs the whole tensor) keep each parameter whole, as DeepSpeed's
         sub-groups do; a parameter larger than ``sub_group_size`` then forms a chunk of its own.
         """
         limit = max(1, int(self.cfg.sub_group_size))
+        if limit < _SPLIT_ALIGN:
+            splittable = False
         chunks: list[list[tuple[_Slot, int, int]]] = [[]]
         fill = 0
         for slot in self.slots:
@@ -325,10 +332,15 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             if splittable:
                 start = 0
                 while start < slot.numel:
-                    if fill == limit:
+                    room = limit - fill
+                    rest = slot.numel - start
+                    # Cut only at multiples of _SPLIT_ALIGN elements, so every element sits at the
+                    # same position in the fused kernel's vector loop as in an unsplit step.
+                    take = rest if rest <= room else room // _SPLIT_ALIGN * _SPLIT_ALIGN
+                    if take == 0:
                         chunks.append([])
                         fill = 0
-                    take = min(slot.numel - start, limit - fill)
+                        continue
                     chunks[-1].append((slot, start, start + take))
                     start += take
                     fill += take
@@ -478,18 +490,26 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                 return torch.zeros(())
             return torch.nn.utils.get_total_norm(grads, norm_type=norm_type, foreach=True).to("cpu")
         grads = self._ordered_grads()
+        distributed = self._world > 1 and dist.is_initialized()
+        if math.isinf(norm_type):
+            # A max needs no fixed order: this rank's largest entry, then the largest over ranks
+            # (empty shards skipped: the inf-norm of nothing is undefined for torch).
+            nonempty = [g for g in grads if g.numel()]
+            local = torch.zeros(())
+            if nonempty:
+                local = torch.stack([n.to("cpu", torch.float32) for n in torch._foreach_norm(nonempty, norm_type)]).max()
+            if distributed:
+                t = local.reshape(1).to(self._comm_device)
+                dist.all_reduce(t, op=dist.ReduceOp.MAX)
+                local = t.to("cpu").reshape(())
+            return local
         if not grads:
             return torch.zeros(())
         norms = torch.stack([n.to("cpu", torch.float32) for n in torch._foreach_norm(grads, norm_type)])
-        if self._world > 1 and dist.is_initialized():
-            if math.isinf(norm_type):
-                t = norms.to(self._comm_device)
-                dist.all_reduce(t, op=dist.ReduceOp.MAX)
-                norms = t.to("cpu")
-            else:
-                t = (norms**norm_type).to(self._comm_device)
-                dist.all_reduce(t, op=dist.ReduceOp.SUM)
-                norms = t.to("cpu") ** (1.0 / norm_type)
+        if distributed:
+            t = (norms**norm_type).to(self._comm_device)
+            dist.all_reduce(t, op=dist.ReduceOp.SUM)
+            norms = t.to("cpu") ** (1.0 / norm_type)
         return torch.linalg.vector_norm(norms, norm_type)
 
     def _ordered_grads(self) -> list[torch.Tensor]:
@@ -684,8 +704,9 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         state = chunk.optimizer.state
         for piece in chunk.pieces:
             piece.tensor.data = master[piece.offset : piece.offset + piece.numel]
-            st = state.get(piece.tensor)
-            if st and piece.adopted:
+            if piece.adopted:
+                # (an optimizer without scalar state, like SGD, has an empty dict here)
+                st = state.setdefault(piece.tensor, {})
                 for key, section in sections.items():
                     st[key] = section[piece.offset : piece.offset + piece.numel]
 
