@@ -95,7 +95,8 @@ def test_aio_queue_depth_and_single_submit_shape_the_system_calls(tmp_path, monk
     data = random_bytes(16 * 4096)
     for single, depth, expected in ((True, 8, [1] * 16), (False, 4, [4] * 4), (False, 16, [16])):
         calls.clear()
-        space = make_space(tmp_path, AioConfig(block_size=4096, queue_depth=depth, single_submit=single, thread_count=1))
+        aio = AioConfig(block_size=4096, queue_depth=depth, single_submit=single, thread_count=1)
+        space = make_space(tmp_path, aio, direct=False)
         space.create("rec", data.numel())
         space.write("rec", data).wait()
         assert calls == expected
