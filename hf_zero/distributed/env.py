@@ -16,7 +16,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-__all__ = ["DistEnv", "init_distributed", "launched_by_torchrun"]
+__all__ = ["DistEnv", "init_distributed", "launched_by_torchrun", "exit_cleanly"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,3 +90,24 @@ def init_distributed(timeout_s: float = 1800.0) -> DistEnv:
         device=device,
         backend=backend,
     )
+
+
+def exit_cleanly(code: int = 0) -> None:
+    """End a rank without gloo's intermittent abort at interpreter teardown.
+
+    Under load, a process whose gloo group is torn down by the interpreter's final clean-up
+    sometimes dies with "terminate called without an active exception" after its work is done,
+    which a launcher reports as a failed run. This destroys the group, runs the ``atexit``
+    handlers (user clean-up such as loggers still happens), flushes, and leaves with ``os._exit``.
+    """
+    import sys
+
+    if dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception:  # a peer may already be gone; exiting is all that is left to do
+            pass
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

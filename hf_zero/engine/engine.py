@@ -265,7 +265,12 @@ class ZeroEngine:
             if self._grad_owner() is not None:
                 self.offload.load_checkpoint_state(state)
             else:
-                set_optimizer_state_dict(self.module, self.stage.local_optimizer(self.optimizer), state["optimizer"])
+                local = self.stage.local_optimizer(self.optimizer)
+                set_optimizer_state_dict(self.module, local, state["optimizer"])
+                if local is not self.optimizer:
+                    # ZeroRedundancyOptimizer copies its global groups into the local one before
+                    # each step, which would undo the restored learning rates.
+                    self.optimizer._sync_param_groups(local.param_groups, self.optimizer.param_groups)
         if self.lr_scheduler is not None and "lr_scheduler" in state:
             self.lr_scheduler.load_state_dict(state["lr_scheduler"])
         if "loss_scaler" in state:

@@ -24,6 +24,9 @@ def main(argv: list[str] | None = None) -> None:
     sys.argv = argv
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
     runpy.run_path(script, run_name="__main__")
+    from hf_zero.distributed.env import exit_cleanly
+
+    exit_cleanly(0)
 
 
 if __name__ == "__main__":

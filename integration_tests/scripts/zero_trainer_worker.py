@@ -83,3 +83,6 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    from hf_zero.distributed.env import exit_cleanly
+
+    exit_cleanly(0)

@@ -52,7 +52,9 @@ def main() -> None:
         with open(out, "w") as f:
             json.dump(gathered, f)
     dist.barrier()
-    dist.destroy_process_group()
+    from hf_zero.distributed.env import exit_cleanly
+
+    exit_cleanly(0)
 
 
 if __name__ == "__main__":

@@ -83,7 +83,9 @@ def main() -> None:
         torch.save(results, out_path + ".tmp")
         os.replace(out_path + ".tmp", out_path)
     dist.barrier()
-    dist.destroy_process_group()
+    from hf_zero.distributed.env import exit_cleanly
+
+    exit_cleanly(0)
 
 
 if __name__ == "__main__":
