@@ -639,11 +639,17 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             piece.adopted = True
 
     def _copy_back(self, chunk: _Chunk, source: Callable[[_Piece], torch.Tensor] | None) -> None:
+        on_cuda = False
         for piece in chunk.pieces:
             if piece.numel == 0:
                 continue
             values = piece.tensor if source is None else source(piece)
             self._write_param(piece.slot, piece.start, values)
+            on_cuda = on_cuda or piece.slot.param.is_cuda
+        if on_cuda:
+            # The host values may be overwritten as soon as this returns (an NVMe buffer goes back
+            # to the pool): wait for the asynchronous host-to-device copies on this thread only.
+            torch.cuda.current_stream().synchronize()
 
     def _write_param(self, slot: _Slot, start: int, values: torch.Tensor) -> None:
         if self._param_writer is not None:

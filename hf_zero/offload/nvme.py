@@ -169,6 +169,14 @@ def remove_stale_dirs(nvme_path: str) -> list[str]:
     return removed
 
 
+def _remove_swap_dir(path: str, run_dir: str) -> None:
+    shutil.rmtree(path, ignore_errors=True)
+    try:
+        os.rmdir(run_dir)  # succeeds for the run's last rank only
+    except OSError:
+        pass
+
+
 class SwapDir:
     """This rank's swap folder ``<nvme_path>/hf_zero-<run_id>/rank<rank>/``.
 
@@ -208,6 +216,8 @@ class SwapDir:
             ) from exc
         self._closed = False
         self._lock = threading.Lock()
+        # Removed on close(), at interpreter exit, when garbage-collected unclosed, and on SIGTERM.
+        self._finalizer = weakref.finalize(self, _remove_swap_dir, self.path, self.run_dir)
         _LIVE_DIRS.add(self)
         _install_exit_hooks()
 
@@ -224,11 +234,7 @@ class SwapDir:
             if self._closed:
                 return
             self._closed = True
-        shutil.rmtree(self.path, ignore_errors=True)
-        try:
-            os.rmdir(self.run_dir)  # succeeds for the last rank only
-        except OSError:
-            pass
+        self._finalizer()
         _LIVE_DIRS.discard(self)
 
 

@@ -246,3 +246,13 @@ def test_exception_exit_removes_the_folder(tmp_path):
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 1 and "training failed" in proc.stderr
     assert os.listdir(tmp_path) == []
+
+
+def test_an_unclosed_folder_goes_when_its_owner_is_collected(tmp_path):
+    import gc
+
+    d = SwapDir(str(tmp_path), new_run_id(), 0, SETTING)
+    path = d.path
+    del d
+    gc.collect()
+    assert not os.path.exists(path) and os.listdir(tmp_path) == []
