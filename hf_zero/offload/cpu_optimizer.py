@@ -14,9 +14,9 @@ optimizers on host tensors, in pure Python:
   stays on the accelerator. Accumulation over micro-steps happens in fp32 on the host.
 * ``step()`` runs a torch optimizer (the one the config or the caller asked for, built by the
   engine's recipe: ``torch.optim.AdamW(fused=True)`` for ``AdamW``) over host tensors in chunks
-  of at most ``sub_group_size`` elements, one inner optimizer per chunk. A worker thread copies
-  chunk *i*'s updated values into the device parameters (cast to their dtype) while chunk *i+1*
-  is stepped. With NVMe, chunk *i+1* is read into a pool buffer while chunk *i* is stepped and
+  of at most ``sub_group_size`` elements, one inner optimizer per chunk. On a GPU a worker
+  thread copies chunk *i*'s updated values into the device parameters (cast to their dtype, an
+  asynchronous DMA from pinned memory) while chunk *i+1* is stepped. With NVMe, chunk *i+1* is read into a pool buffer while chunk *i* is stepped and
   chunk *i* is written back behind it (``nvme.py``); the first chunks are already read while the
   backward that precedes the step is running.
 
@@ -195,6 +195,11 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         param_writer: writes updated values into a parameter shard whose storage another
             backend manages (``offload_param`` NVMe); None writes into the parameter directly.
         swap_dir: makes this rank's swap folder (``nvme`` only; shared with parameter swapping).
+        copy_back_thread: copy updated values to the device on a worker thread, overlapping the
+            next chunk's step. None (default): when the parameters are on a GPU, where the copy
+            is a DMA transfer; when the "device" is the CPU itself, the copy and the step are both
+            memory-bound work on the same cores (and a second thread starts a second OpenMP
+            team), so the copy runs inline.
 
     Raises:
         OffloadError: host memory cannot be (pinned and) allocated, or the NVMe folder cannot be
@@ -214,6 +219,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         comm_device: torch.device | None = None,
         param_writer: Callable[[nn.Parameter, int, torch.Tensor], None] | None = None,
         swap_dir: Callable[[], Any] | None = None,
+        copy_back_thread: bool | None = None,
     ):
         groups = [dict(g) for g in probe.param_groups]
         super().__init__(groups, dict(probe.defaults))
@@ -237,7 +243,12 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         self._space = None
         self._pool = None
         self._prefetched: dict[int, tuple[torch.Tensor, Any]] = {}
-        self._copier = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="hf_zero-copyback")
+        if copy_back_thread is None:
+            copy_back_thread = any(p.is_cuda for p in plan.host)
+        self._copier: Any = (
+            cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="hf_zero-copyback")
+            if copy_back_thread else _InlineExecutor()
+        )
         self._feeds: list[Any] = []
         self._device_opt: torch.optim.Optimizer | None = None
         self._device_group_ids: list[int] = []
@@ -1095,6 +1106,21 @@ def _wait_futures(futures: Iterable[cf.Future]) -> None:
             error = error or exc
     if error is not None:
         raise error
+
+
+class _InlineExecutor:
+    """``submit`` runs the call now and returns a finished future (the executor API, no thread)."""
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> cf.Future:
+        future: cf.Future = cf.Future()
+        try:
+            future.set_result(fn(*args))
+        except BaseException as exc:  # noqa: BLE001 -- delivered through the future, like a thread's
+            future.set_exception(exc)
+        return future
+
+    def shutdown(self, wait: bool = True) -> None:  # noqa: ARG002
+        return None
 
 
 def _release_after(pool: Any, buf: torch.Tensor, copy: cf.Future, write: Any) -> None:

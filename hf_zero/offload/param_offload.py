@@ -8,8 +8,10 @@ host tier (on a machine without a GPU the engine could not tell them apart by de
 ``device = "nvme"`` (:class:`NvmeParamSwapper`): on top of the CPU policy, the host shards of each
 FSDP unit (a transformer block, or the root) are swapped to a file per unit. At most
 ``max_in_cpu`` parameter elements stay in host memory; a unit that is needed (FSDP2 is about to
-all-gather it, for the forward or for the backward) is read back, and the next unit in the same
-direction is read ahead on the I/O threads while the current one computes. Units are written back
+all-gather it, for the forward or for the backward) is read back, and the next
+``buffer_count - 1`` units in the same direction are read ahead on the I/O threads while the
+current one computes (as far as ``max_in_cpu`` allows). Shards are read straight into their own
+host storage, so ``buffer_size`` has no effect. Units are written back
 behind the optimizer step (the offloaded optimizer hands its updated values to
 :meth:`NvmeParamSwapper.write_param`, which writes straight into the file when the unit is not in
 memory). A swapped-out shard has no host storage at all; code outside FSDP2's all-gather that
@@ -130,6 +132,7 @@ class NvmeParamSwapper:
         from hf_zero.offload.nvme import ALIGN, SwapSpace, round_up
 
         self.cfg = cfg
+        self.prefetch_depth = max(1, int(cfg.buffer_count) - 1)
         self.error: OffloadError | None = None
         self._fqns: dict[int, list[str]] = {}
         for name, p in root.named_parameters(remove_duplicate=False):
@@ -228,13 +231,36 @@ class NvmeParamSwapper:
             raise self.error
 
     def _prefetch_after(self, unit: _Unit) -> None:
-        """Read ahead the unit FSDP2 will gather next: the following one in the forward (the index
-        grows), the preceding one in the backward."""
+        """Read ahead the units FSDP2 will gather next: the following ones in the forward (the
+        index grows), the preceding ones in the backward; ``offload_param.buffer_count - 1`` of
+        them (DeepSpeed's prefetch buffers), as far as ``max_in_cpu`` allows without evicting a
+        unit that is still ahead."""
         last, self._last_index = self._last_index, unit.index
         step = -1 if last is not None and unit.index < last else 1
-        nxt = unit.index + step
-        if 0 <= nxt < len(self.units):
-            self._start_load(self.units[nxt], keep=unit)
+        for k in range(1, self.prefetch_depth + 1):
+            nxt = unit.index + step * k
+            if not 0 <= nxt < len(self.units):
+                break
+            ahead = self.units[nxt]
+            if ahead.resident or ahead.loading:
+                ahead.last_use = self._clock
+                continue
+            if not self._make_room(ahead.numel, behind_of=self._clock):
+                break
+            self._start_load(ahead, keep=unit)
+            ahead.last_use = self._clock
+
+    def _make_room(self, need: int, behind_of: int) -> bool:
+        """Evict units used before ``behind_of`` (least recent first) until ``need`` fits."""
+        with self._lock:
+            used = sum(u.numel for u in self.units if u.resident)
+            for u in sorted((u for u in self.units if u.resident and u.last_use < behind_of
+                             and u.index not in self._pinned_units), key=lambda u: u.last_use):
+                if used + need <= self.max_in_cpu:
+                    break
+                self._evict(u)
+                used -= u.numel
+            return used + need <= self.max_in_cpu
 
     # ------------------------------------------------------------------------------ residency
     def ensure_resident(self, unit: _Unit) -> None:
@@ -384,10 +410,13 @@ class NvmeParamSwapper:
 
     # ------------------------------------------------------------------------------ report
     def memory_report(self) -> TierReport:
+        """Host: the units resident now (at most ``max_in_cpu`` elements); nvme: the swap files
+        (every unit has one, also while a copy is resident)."""
         report = empty_report()
         for unit in self.units:
-            size = sum(unit.sizes)
-            report["params"]["host" if unit.resident else "nvme"] += size
+            if unit.resident:
+                report["params"]["host"] += sum(unit.sizes)
+        report["params"]["nvme"] += self.space.total_bytes
         return report
 
     def claimed_params(self) -> set[int]:
