@@ -67,13 +67,17 @@ def setup_torch(numel: int, tensors: int, **kwargs):
 def setup_offload(numel: int, tensors: int, sub_group_size: int):
     """(step, gradient feed) of an OffloadedOptimizer over 16-bit "device" parameters."""
     from hf_zero.config.schema import OptimizerConfig
-    from hf_zero.offload.cpu_optimizer import HostOffloadConfig, OffloadedOptimizer, ParamPlan
+    from hf_zero.offload.cpu_optimizer import (
+        HostOffloadConfig,
+        OffloadedOptimizer,
+        ParamPlan,
+    )
     from hf_zero.optim.optimizers import build_optimizer
 
     params, grads = make_tensors(numel, tensors)
     device = [torch.nn.Parameter(p.to(torch.bfloat16)) for p in params]  # the 16-bit "device" shards
     cfg = OptimizerConfig(type="adamw", lr=1e-3, weight_decay=0.01)
-    build = lambda groups: build_optimizer(cfg, groups)  # noqa: E731
+    build = lambda groups: build_optimizer(cfg, groups)
     plan = ParamPlan(host=device, masters={id(d): p for d, p in zip(device, params)})
     opt = OffloadedOptimizer(build(device), build, {id(d): f"p{i}" for i, d in enumerate(device)},
                              HostOffloadConfig(device="cpu", sub_group_size=sub_group_size), plan)

@@ -117,12 +117,16 @@ def swap_space(path: str, total: int, record: int, threads: int, block: int, que
 def optimizer_step(path: str, numel: int, sub_group_size: int, repeat: int, threads: int) -> tuple[float, float]:
     """(cpu step s, nvme step s) of an offloaded AdamW over ``numel`` parameters."""
     from hf_zero.config.schema import AioConfig, OptimizerConfig
-    from hf_zero.offload.cpu_optimizer import HostOffloadConfig, OffloadedOptimizer, ParamPlan
+    from hf_zero.offload.cpu_optimizer import (
+        HostOffloadConfig,
+        OffloadedOptimizer,
+        ParamPlan,
+    )
     from hf_zero.offload.nvme import new_run_id
     from hf_zero.optim.optimizers import build_optimizer
 
     cfg = OptimizerConfig(type="adamw", lr=1e-3, weight_decay=0.01)
-    build = lambda groups: build_optimizer(cfg, groups)  # noqa: E731
+    build = lambda groups: build_optimizer(cfg, groups)
     out = []
     for device in ("cpu", "nvme"):
         tensors = 8
@@ -133,7 +137,7 @@ def optimizer_step(path: str, numel: int, sub_group_size: int, repeat: int, thre
                                  ParamPlan(host=params))
         grads = [torch.randn(p.numel()) * 1e-3 for p in params]
 
-        def step() -> None:
+        def step(opt=opt, params=params, grads=grads) -> None:
             for p, g in zip(params, grads):
                 opt.accumulate_grad(p, g)
             opt.step()
@@ -191,8 +195,9 @@ def main(argv: list[str] | None = None) -> int:
     rows.append(("raw buffered + fsync / read after DONTNEED", bw, br))
     for threads in args.threads:
         w, r = median_of(lambda t=threads: swap_space(args.path, total, record, t, block, args.queue_depth))
-        rows.append((f"hf_zero SwapSpace, {args.record_mib} MiB records, thread_count={threads}, "
-                     f"queue_depth={args.queue_depth}, block {args.block_mib:g} MiB", w, r))
+        name = (f"hf_zero SwapSpace, {args.record_mib} MiB records, thread_count={threads}, "
+                f"queue_depth={args.queue_depth}, block {args.block_mib:g} MiB")
+        rows.append((name, w, r))
     print("| what | write MB/s | read MB/s | write / raw | read / raw |")
     print("|---|---:|---:|---:|---:|")
     for name, w, r in rows:

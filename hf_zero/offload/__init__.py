@@ -16,7 +16,11 @@ module                      what
 
 from hf_zero.offload.base import OffloadError, TierReport
 from hf_zero.offload.cpu_optimizer import OffloadedOptimizer
-from hf_zero.offload.manager import OffloadManager, check_offload_config, make_offload_manager
+from hf_zero.offload.manager import (
+    OffloadManager,
+    check_offload_config,
+    make_offload_manager,
+)
 
 __all__ = [
     "OffloadError",

@@ -25,12 +25,12 @@ import torch.distributed as dist
 __all__ = [
     "KINDS",
     "TIERS",
+    "GradientOwner",
+    "OffloadBackend",
     "OffloadError",
     "TierReport",
-    "OffloadBackend",
-    "GradientOwner",
-    "alloc_host",
     "agree_on_error",
+    "alloc_host",
     "empty_report",
     "merge_reports",
     "nbytes",
@@ -140,7 +140,7 @@ def alloc_host(
             ``ulimit -l`` limit); the message names ``setting``.
     """
     itemsize = torch.empty((), dtype=dtype).element_size()
-    extra = align if align > 0 else 0
+    extra = max(0, align)
     pin = pin and _pin_available()
     try:
         raw = _allocate(numel * itemsize + extra, pin)

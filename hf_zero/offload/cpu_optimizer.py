@@ -53,7 +53,7 @@ from hf_zero.offload.base import (
     nbytes,
 )
 
-__all__ = ["OffloadedOptimizer", "HostOffloadConfig", "ParamPlan", "host_dtensor"]
+__all__ = ["HostOffloadConfig", "OffloadedOptimizer", "ParamPlan", "host_dtensor"]
 
 logger = logging.getLogger("hf_zero")
 
@@ -948,7 +948,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                 master = self._section(buf, chunk, 0)
                 any_state = False
                 for piece in chunk.pieces:
-                    m, per_key, _, has_state = loaded[id(piece.slot)]
+                    m, per_key, _, _ = loaded[id(piece.slot)]
                     master[piece.offset : piece.offset + piece.numel].copy_(m[piece.start : piece.end])
                     for k, key in enumerate(self._state_keys):
                         section = self._section(buf, chunk, k + 1)
@@ -1119,7 +1119,7 @@ class _InlineExecutor:
             future.set_exception(exc)
         return future
 
-    def shutdown(self, wait: bool = True) -> None:  # noqa: ARG002
+    def shutdown(self, wait: bool = True) -> None:
         return None
 
 

@@ -32,7 +32,11 @@ from torch import nn
 
 from hf_zero.config.schema import ZeroConfig
 from hf_zero.offload.base import OffloadBackend, OffloadError, agree_on_error
-from hf_zero.offload.cpu_optimizer import HostOffloadConfig, OffloadedOptimizer, ParamPlan, host_dtensor
+from hf_zero.offload.cpu_optimizer import (
+    HostOffloadConfig,
+    OffloadedOptimizer,
+    ParamPlan,
+)
 
 __all__ = ["OffloadManager", "check_offload_config", "make_offload_manager"]
 
@@ -165,7 +169,8 @@ class _DdpGradFeed:
             self._base = default_hooks.fp16_compress_hook
         else:
             self._base = default_hooks.allreduce_hook
-        def hook(state, bucket):  # noqa: ANN001 -- DDP checks the annotations set below
+
+        def hook(state, bucket):  # DDP checks the annotations set below
             return self._hook(bucket)
 
         # DDP validates the hook's annotations as objects (this module's are strings).
@@ -257,7 +262,7 @@ class OffloadManager:
         return self.env.device if self.env.backend == "nccl" else torch.device("cpu")
 
     # ------------------------------------------------------------------------------ stages 2/3
-    def prepare_fsdp(self, model: nn.Module, units: list[nn.Module]) -> dict[str, Any]:  # noqa: ARG002
+    def prepare_fsdp(self, model: nn.Module, units: list[nn.Module]) -> dict[str, Any]:
         """Before ``fully_shard``: extra keyword arguments for it (FSDP2's CPU offload policy when
         ``offload_param`` is set)."""
         kwargs: dict[str, Any] = {}
@@ -414,7 +419,7 @@ class OffloadManager:
         writer = getattr(self.params, "write_param", None) if self.param_cfg.device == "nvme" else None
         swap_dir = None
         if self.opt_cfg.device == "nvme":
-            swap_dir = lambda: self._swap_dir(self.opt_cfg.nvme_path, f"{_OPT}.nvme_path")  # noqa: E731
+            swap_dir = lambda: self._swap_dir(self.opt_cfg.nvme_path, f"{_OPT}.nvme_path")
         optimizer = OffloadedOptimizer(
             probe, recipe.build, names, cfg, plan,
             rank=rank, world_size=world, comm_device=self.comm_device, param_writer=writer, swap_dir=swap_dir,
@@ -494,7 +499,7 @@ class OffloadManager:
     def swap_files(self) -> list[str]:
         files = []
         for b in self.backends():
-            files.extend(getattr(b, "swap_files", lambda: [])())
+            files.extend(getattr(b, "swap_files", list)())
         return files
 
     def swap_dirs(self) -> list[str]:

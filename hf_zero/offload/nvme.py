@@ -112,7 +112,7 @@ def _cleanup_live_dirs() -> None:
         swap_dir.close()
 
 
-def _on_sigterm(signum, frame) -> None:  # noqa: ARG001 -- signal handler signature
+def _on_sigterm(signum, frame) -> None:
     # torchrun stops the surviving ranks with SIGTERM when one fails; Python's default action skips
     # atexit, so remove the swap folders, then die of the same signal as before.
     _cleanup_live_dirs()

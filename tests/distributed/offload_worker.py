@@ -29,8 +29,8 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from _cases import Case  # noqa: E402
-from _models import make_data, tiny_model  # noqa: E402
+from _cases import Case
+from _models import make_data, tiny_model
 
 
 @dataclass(frozen=True)
@@ -102,7 +102,10 @@ def train(engine, case: OffloadCase, start: int, stop: int, data: torch.Tensor, 
 
 
 def full_state(engine) -> dict:
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+    )
 
     # With an offloaded optimizer the model holds 16-bit shards; the fp32 masters are in the
     # engine's state dict, which is what a checkpoint (and consolidation) saves.
@@ -177,9 +180,8 @@ def run_fault(scenario: str, nvme_dir: str, work: str) -> dict:
     import errno
 
     import hf_zero
-    import hf_zero.offload.base as base
-    import hf_zero.offload.nvme as nvme
     from hf_zero.checkpoint.sharded import load_checkpoint, read_marker, save_checkpoint
+    from hf_zero.offload import base, nvme
 
     rank = dist.get_rank()
     case = _fault_case(scenario)

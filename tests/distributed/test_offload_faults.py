@@ -13,7 +13,6 @@ import os
 
 import pytest
 import torch
-
 from _launch import torchrun
 
 pytestmark = pytest.mark.slow

@@ -16,7 +16,6 @@ import os
 
 import pytest
 import torch
-
 from _launch import torchrun
 from offload_worker import OffloadCase
 
@@ -102,7 +101,7 @@ def test_state_sits_in_the_configured_tier(case: OffloadCase, runs):
     base_ranks = runs["baselines"][case.base.name]["ranks"]
     mem = [r["memory"] for r in ranks]
     base_mem = [r["memory"] for r in base_ranks]
-    total = lambda kind, tier, reports=mem: sum(m[kind][tier] for m in reports)  # noqa: E731
+    total = lambda kind, tier, reports=mem: sum(m[kind][tier] for m in reports)
     base_state = total("optimizer_state", "accelerator", base_mem)  # moments, all ranks together
     moments_and_master = base_state * 3 // 2
 

@@ -10,7 +10,11 @@ import torch
 from torch import nn
 
 from hf_zero.config.schema import AioConfig, OptimizerConfig
-from hf_zero.offload.cpu_optimizer import HostOffloadConfig, OffloadedOptimizer, ParamPlan
+from hf_zero.offload.cpu_optimizer import (
+    HostOffloadConfig,
+    OffloadedOptimizer,
+    ParamPlan,
+)
 from hf_zero.optim.optimizers import build_optimizer
 
 SHAPES = [(300, 3), (3,), (700,), (0, 4), (7, 7)]
@@ -27,15 +31,15 @@ def grads_for(step: int, micro: int = 0) -> list[torch.Tensor]:
 
 
 def section(kind: str, **kw) -> OptimizerConfig:
-    defaults = dict(lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1)
+    defaults = {"lr": 1e-2, "betas": (0.9, 0.99), "eps": 1e-8, "weight_decay": 0.1}
     if kind == "sgd":
-        defaults = dict(lr=1e-2, momentum=0.9, weight_decay=0.1)
+        defaults = {"lr": 1e-2, "momentum": 0.9, "weight_decay": 0.1}
     return OptimizerConfig(type=kind, **{**defaults, **kw})
 
 
 def offloaded(params, cfg: OptimizerConfig, tmp_path=None, *, device="cpu", sub_group_size=512, buffer_count=2,
               copy_back_thread=None):
-    build = lambda groups: build_optimizer(cfg, groups)  # noqa: E731
+    build = lambda groups: build_optimizer(cfg, groups)
     groups = [{"params": params[:3]}, {"params": params[3:], "weight_decay": 0.0}]
     probe = build(groups)
     names = {id(p): f"p{i}" for i, p in enumerate(params)}

@@ -18,7 +18,14 @@ import torch
 from hf_zero.config.schema import AioConfig
 from hf_zero.offload import nvme
 from hf_zero.offload.base import OffloadError
-from hf_zero.offload.nvme import ALIGN, BufferPool, SwapDir, SwapSpace, new_run_id, remove_stale_dirs
+from hf_zero.offload.nvme import (
+    ALIGN,
+    BufferPool,
+    SwapDir,
+    SwapSpace,
+    new_run_id,
+    remove_stale_dirs,
+)
 
 SETTING = "zero_optimization.offload_optimizer.nvme_path"
 
@@ -209,7 +216,8 @@ def test_runs_get_their_own_folders_and_close_removes_them(tmp_path):
 
 
 def test_stale_folders_of_dead_processes_are_removed(tmp_path):
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True,
+                          check=True)
     dead_pid = int(dead.stdout)
     for name, host, pid in (("dead", socket.gethostname(), dead_pid), ("alive", socket.gethostname(), os.getpid()),
                             ("elsewhere", "another-host", dead_pid)):
@@ -243,7 +251,7 @@ def test_exception_exit_removes_the_folder(tmp_path):
         d = SwapDir({str(tmp_path)!r}, new_run_id(), 0, "s")
         raise RuntimeError("training failed")
     """)
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=False)
     assert proc.returncode == 1 and "training failed" in proc.stderr
     assert os.listdir(tmp_path) == []
 
