@@ -215,3 +215,15 @@ def test_memory_report_counts_host_and_nvme_tiers(tmp_path):
     assert files and all(os.path.exists(f) for f in files)
     on_disk.close()
     assert not os.path.exists(folder) and not any(os.path.exists(f) for f in files)
+
+
+def test_an_optimizer_rebuilt_from_an_instance_steps_with_the_fused_cpu_kernel():
+    # The Trainer's AdamW has fused=None: on CPU torch would take its per-tensor loop.
+    params = make_params()
+    user = torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
+    build = lambda groups: torch.optim.AdamW(groups, lr=1e-2, weight_decay=0.1)  # noqa: E731
+    opt = OffloadedOptimizer(user, build, {id(p): f"p{i}" for i, p in enumerate(params)},
+                             HostOffloadConfig(device="cpu", sub_group_size=512), ParamPlan(host=params))
+    assert all(g["fused"] is True and g["foreach"] is False for c in opt.chunks for g in c.optimizer.param_groups)
+    assert opt.param_groups[0]["fused"] is None  # what the caller sees is unchanged
+    opt.close()
