@@ -486,8 +486,14 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         return self._host_grads() + self._device_grads()
 
     def unscale_grads_(self, inv_scale: float) -> None:
+        if inv_scale == 1.0:
+            return
         grads = self._all_grads()
-        if grads and inv_scale != 1.0:
+        if self._owner is not None:
+            # Stage 1: the gradient norm is taken from the full device gradients (see
+            # total_grad_norm), so they are unscaled too.
+            grads += [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
+        if grads:
             torch._foreach_mul_(grads, inv_scale)
 
     def grads_have_inf_or_nan(self) -> bool:

@@ -45,6 +45,7 @@ CASES = [
     # partial offload, fp16 with loss scaling, and the aio knobs switched the other way
     C(stage=3, dtype="bf16", gas=1, model="llama", optimizer="cpu", ratio=0.5),
     C(stage=2, dtype="fp16", gas=2, model="qwen2_tied", optimizer="cpu"),
+    C(stage=1, dtype="fp16", gas=2, model="llama", optimizer="cpu"),
     C(stage=3, dtype="bf16", gas=1, model="llama", optimizer="nvme", buffer_count=1,
       extra={"single_submit": True, "overlap_events": False, "thread_count": 1}),
 ]
