@@ -129,7 +129,8 @@ class _FsdpGradFeed:
             self._cursor += _padded_shard_numel(param, self._world)
             if self._checks_left > 0:
                 self._checks_left -= 1
-                if not torch.equal(exact.to(local.dtype), local):
+                # (with FSDP2's CPU offload policy the 16-bit gradient is a host copy)
+                if not torch.equal(exact.to(device=local.device, dtype=local.dtype), local):
                     raise OffloadError(
                         f"FSDP2's reduce-scatter output is not laid out as hf_zero expects (torch {torch.__version__}); "
                         "optimizer offload cannot recover fp32 gradients"
