@@ -259,7 +259,7 @@ class ZeroEngine:
         """Inverse of :meth:`state_dict` (after ``torch.distributed.checkpoint.load`` filled it)."""
         from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
-        with self.params_resident():
+        with self.params_resident(write_back=True):
             set_model_state_dict(self.module, state["module"])
         if self.optimizer is not None and "optimizer" in state:
             if self._grad_owner() is not None:
@@ -280,13 +280,14 @@ class ZeroEngine:
         self.micro_steps = int(counters.get("micro_steps", self.micro_steps))
         self.skipped_steps = int(counters.get("skipped_steps", self.skipped_steps))
 
-    def params_resident(self) -> contextlib.AbstractContextManager:
+    def params_resident(self, write_back: bool = False) -> contextlib.AbstractContextManager:
         """Context in which every parameter shard is in memory: needed only with
         ``offload_param.device = "nvme"``, around code that reads parameter values outside the
-        forward/backward (a 16-bit export, ``full_tensor()``); a no-op otherwise."""
+        forward/backward (a 16-bit export, ``full_tensor()``); a no-op otherwise. With
+        ``write_back`` the block may also change them (they are written to the swap files after)."""
         if self.offload is None:
             return contextlib.nullcontext()
-        return self.offload.resident()
+        return self.offload.resident(write_back=write_back)
 
     def close(self) -> None:
         """Release offload threads, hooks and swap files (idempotent; also done at exit)."""
