@@ -135,13 +135,21 @@ def run_parity(case: OffloadCase, nvme_dir: str, offload: bool) -> dict:
 
     losses, norms = train(engine, case, 0, case.steps, data, on_step)
     final = full_state(engine)
+    gathered = None
+    if offload and case.params == "nvme":
+        # A 16-bit export reads the parameters outside forward/backward: under params_resident().
+        from hf_zero.checkpoint.export16 import gather_full_state_dict
+
+        with engine.params_resident():
+            gathered = gather_full_state_dict(engine, dtype=torch.float32)
     engine.close()
     dist.barrier()  # every rank has closed: its folder, and the run's, must be gone
     seen["dirs_after_close"] = [d for d in seen["dirs"] if os.path.exists(d)]
     seen["run_dirs_after_close"] = sorted(glob.glob(os.path.join(nvme_dir, "hf_zero-*")))
     per_rank = [None] * engine.env.world_size
     dist.all_gather_object(per_rank, seen)
-    return {"losses": losses, "grad_norms": norms, "final_state": final if rank == 0 else None, "ranks": per_rank}
+    return {"losses": losses, "grad_norms": norms, "final_state": final if rank == 0 else None, "ranks": per_rank,
+            "gathered": gathered if rank == 0 else None}
 
 
 def run_resume(case: OffloadCase, nvme_dir: str, ckpt_root: str, first_offloaded: bool) -> dict:

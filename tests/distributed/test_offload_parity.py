@@ -154,6 +154,16 @@ def test_runs_never_share_a_swap_folder(runs):
     assert len(set(folders)) == len(folders) // WORLD
 
 
+@pytest.mark.parametrize("case", [c for c in CASES if c.params == "nvme"], ids=lambda c: c.full_name)
+def test_swapped_parameters_export_under_params_resident(case: OffloadCase, runs):
+    """The model's (16-bit) shards, swapped to NVMe between uses and updated through the swapper,
+    gather to the fp32 masters rounded to the compute dtype."""
+    got = runs[case.full_name]
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[case.dtype]
+    for name, master in got["final_state"].items():
+        assert torch.equal(got["gathered"][name], master.to(dtype).float()), name
+
+
 @pytest.mark.parametrize("case", RESUME_CASES, ids=lambda c: c.full_name)
 @pytest.mark.parametrize("direction", ["offloaded_to_plain", "plain_to_offloaded"])
 def test_checkpoints_resume_across_offload(case: OffloadCase, direction: str, resumes):
