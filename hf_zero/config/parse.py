@@ -115,9 +115,6 @@ NO_EFFECT_KEYS: dict[str, str] = {
     "optimizer.params.eps_inside_sqrt": "false changes nothing (true is rejected)",
     "scheduler.params.last_batch_iteration": "resuming restores the scheduler state from the checkpoint",
     # aio (NVMe)
-    "aio.queue_depth": "the pure-Python NVMe swapper uses thread_count and block_size only",
-    "aio.single_submit": "the pure-Python NVMe swapper uses thread_count and block_size only",
-    "aio.overlap_events": "the pure-Python NVMe swapper uses thread_count and block_size only",
     "aio.use_gds": "no GPUDirect Storage; NVMe swaps go through pinned host memory",
     # zero_optimization
     "zero_optimization.contiguous_gradients": "FSDP2 always reduces into contiguous buffers",
@@ -147,6 +144,7 @@ NO_EFFECT_KEYS: dict[str, str] = {
     "zero_optimization.use_all_reduce_for_fetch_params": "parameters are fetched with FSDP2's all-gather",
     "zero_optimization.log_trace_cache_warnings": "hf_zero has no DeepSpeed stage-3 trace cache",
     "zero_optimization.offload_optimizer.fast_init": "DeepSpeed NVMe init detail",
+    "zero_optimization.offload_param.buffer_size": "NVMe parameter swaps move whole FSDP units; buffer_count sets the read-ahead depth",
     "zero_optimization.offload_optimizer.pipeline_read": "the NVMe swapper always reads ahead",
     "zero_optimization.offload_optimizer.pipeline_write": "the NVMe swapper always writes behind",
     "zero_optimization.offload_optimizer.pipeline": "the NVMe swapper always reads ahead and writes behind",

@@ -266,7 +266,8 @@ class ZeroTrainerMixin:
             # The adapter is all that is written; gathering the frozen base would cost a full copy.
             trainable = {n for n, p in self.model.named_parameters() if p.requires_grad}
             key_filter = trainable.__contains__
-        state = gather_full_state_dict(self.model, dtype=engine.precision.compute_dtype, state_dict_filter=key_filter)
+        with engine.params_resident():  # NVMe-swapped parameter shards are read back first
+            state = gather_full_state_dict(self.model, dtype=engine.precision.compute_dtype, state_dict_filter=key_filter)
         if self.args.should_save:
             self._save(output_dir, state_dict=state)
         if dist.is_initialized():
