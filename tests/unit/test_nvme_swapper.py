@@ -189,6 +189,14 @@ def test_unwritable_path(tmp_path, monkeypatch):
     assert SETTING in str(info.value) and str(tmp_path) in str(info.value)
 
 
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs procfs")
+def test_folder_no_one_can_write_even_root():
+    # procfs refuses new entries for every user, so this runs where CI runs as root.
+    with pytest.raises(OffloadError, match="is not writable") as info:
+        SwapDir("/proc", new_run_id(), 0, SETTING)
+    assert SETTING in str(info.value) and "'/proc'" in str(info.value)
+
+
 @pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only folders")
 def test_read_only_folder(tmp_path):
     ro = tmp_path / "ro"
