@@ -121,11 +121,16 @@ def _integrate_stage() -> str:
         kwargs = dict(mesh=mesh, reshard_after_forward=self.stage == 3, mp_policy=self.precision.fsdp_mp_policy())
         stages._set_master_dtypes(model, self.precision)
         self.units = stages.find_wrap_units(model)
+        offload = getattr(self, "offload", None)
+        if offload is not None:
+            kwargs.update(offload.prepare_fsdp(model, self.units))
         with sharded_from_rank0(model, mesh):
             for unit in self.units:
                 fully_shard(unit, **kwargs)
             fully_shard(model, **kwargs)
         self.root = model
+        if offload is not None:
+            offload.after_fsdp(model, self.units)
         return model
 
     stages.FullyShardedStage.wrap = wrap

@@ -59,11 +59,16 @@ def _integrate_stage() -> None:
         kwargs = dict(mesh=mesh, reshard_after_forward=self.stage == 3, mp_policy=self.precision.fsdp_mp_policy())
         stages._set_master_dtypes(model, self.precision)
         self.units = stages.find_wrap_units(model)
+        offload = getattr(self, "offload", None)
+        if offload is not None:
+            kwargs.update(offload.prepare_fsdp(model, self.units))
         with sharded_from_rank0(model, mesh):
             for unit in self.units:
                 fully_shard(unit, **kwargs)
             fully_shard(model, **kwargs)
         self.root = model
+        if offload is not None:
+            offload.after_fsdp(model, self.units)
         return model
 
     stages.FullyShardedStage.wrap = wrap
@@ -110,10 +115,11 @@ def tied(model) -> bool:
     return base.lm_head.weight is base.get_input_embeddings().weight
 
 
-def run_plain(workdir: str, kind: str, bf16: bool = False) -> None:
+def run_plain(workdir: str, kind: str, bf16: bool = False, offload: bool = False) -> None:
     """from_pretrained under low_memory_loading -> hf_zero.initialize at stage 3 -> compare.
 
-    ``bf16``: load in bf16 and train with bf16 enabled (fp32 master shards made from bf16 weights)."""
+    ``bf16``: load in bf16 and train with bf16 enabled (fp32 master shards made from bf16 weights).
+    ``offload``: parameters and optimizer state offloaded to the CPU (FSDP2's CPU offload policy)."""
     import hf_zero
     from safetensors.torch import load_file
 
@@ -122,8 +128,12 @@ def run_plain(workdir: str, kind: str, bf16: bool = False) -> None:
     rank = dist.get_rank()
     path = os.path.join(workdir, kind)
     kw = {"dtype": torch.bfloat16} if bf16 else {}
-    config = {**ZERO3, "bf16": {"enabled": True}} if bf16 else ZERO3
+    config = {**ZERO3, "bf16": {"enabled": True}} if bf16 else dict(ZERO3)
     name = f"{kind}-bf16" if bf16 else kind
+    if offload:
+        config["zero_optimization"] = {"stage": 3, "offload_param": {"device": "cpu", "pin_memory": False},
+                                       "offload_optimizer": {"device": "cpu", "pin_memory": False}}
+        name += "-offload"
     t0 = time.perf_counter()
     with low_memory_loading():
         model = load(path, **kw)
@@ -146,6 +156,8 @@ def run_plain(workdir: str, kind: str, bf16: bool = False) -> None:
     if bf16:  # what the fp32 master shards hold: the bf16 weights, widened
         saved = {k: v.to(torch.bfloat16).float() for k, v in saved.items()}
     gathered = full_state(model)
+    if offload:  # the device copies are 16-bit shards (the fp32 masters live with the offloaded optimizer)
+        saved = {k: v.to(gathered[k].dtype) for k, v in saved.items()}
     compare(name, gathered, saved)
     if want_tied:
         check(f"{name}/lm_head_is_embedding", torch.equal(gathered["lm_head.weight"], saved["model.embed_tokens.weight"]))
@@ -159,7 +171,9 @@ def run_plain(workdir: str, kind: str, bf16: bool = False) -> None:
     engine.step()
     after = full_state(model)
     moved = sum(not torch.equal(after[k], saved[k]) for k in saved)
-    check(f"{name}/train_step", torch.isfinite(loss).item() and moved == len(saved), f"loss={float(loss):.4f} moved={moved}/{len(saved)}")
+    # In bf16, a 1e-3 step does not move every value (norm weights of 1.0 stay 1.0).
+    enough = moved > len(saved) // 2 if offload else moved == len(saved)
+    check(f"{name}/train_step", torch.isfinite(loss).item() and enough, f"loss={float(loss):.4f} moved={moved}/{len(saved)}")
 
 
 def run_broadcast_and_noop(workdir: str) -> None:
@@ -302,6 +316,7 @@ def main() -> None:
     _integrate_stage()
     for step in (lambda: run_plain(workdir, "qwen2_tied"), lambda: run_plain(workdir, "llama"),
                  lambda: run_plain(workdir, "llama", bf16=True),
+                 lambda: run_plain(workdir, "qwen2_tied", bf16=True, offload=True),
                  lambda: run_broadcast_and_noop(workdir), lambda: run_peft(workdir),
                  lambda: run_resize(workdir, "qwen2_tied"), lambda: run_resize(workdir, "llama"),
                  lambda: run_trainer(workdir)):
