@@ -91,6 +91,14 @@ class ReplicatedStage:
 
     def wrap(self, model: nn.Module) -> nn.Module:
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+        from hf_zero.engine.materialize import has_meta_params
+
+        if has_meta_params(model):
+            raise ValueError(
+                f"the model was loaded on the meta device (hf_zero's low-memory loading, used for ZeRO-3), "
+                f"but stage {self.stage} keeps a full copy on every rank; load it normally "
+                "(HF_ZERO_LOW_MEMORY_LOADING=0) or use stage 3"
+            )
 
         model.to(self.env.device)
         # DeepSpeed sizes buckets in elements; DDP in MB of fp32 gradients.
@@ -175,6 +183,8 @@ class FullyShardedStage:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
+        from hf_zero.engine.materialize import sharded_from_rank0
+
         mesh = init_device_mesh(self.env.device.type, (self.env.world_size,))
         kwargs = dict(
             mesh=mesh,
@@ -185,9 +195,11 @@ class FullyShardedStage:
         self.units = find_wrap_units(model)
         if self.offload is not None:
             kwargs.update(self.offload.prepare_fsdp(model, self.units))
-        for unit in self.units:
-            fully_shard(unit, **kwargs)
-        fully_shard(model, **kwargs)
+        # Ranks that loaded on the meta device (low-memory loading) receive their shards from rank 0.
+        with sharded_from_rank0(model, mesh):
+            for unit in self.units:
+                fully_shard(unit, **kwargs)
+            fully_shard(model, **kwargs)
         self.root = model
         if self.offload is not None:
             self.offload.after_fsdp(model, self.units)

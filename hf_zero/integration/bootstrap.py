@@ -20,6 +20,7 @@ def main(argv: list[str] | None = None) -> None:
     from hf_zero.integration.patch import use_hf_zero_trainer
 
     use_hf_zero_trainer()
+    _maybe_low_memory_loading(argv[1:])
     # Make the script see itself as `python script.py args`.
     sys.argv = argv
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
@@ -27,6 +28,23 @@ def main(argv: list[str] | None = None) -> None:
     from hf_zero.distributed.env import exit_cleanly
 
     exit_cleanly(0)
+
+
+def _maybe_low_memory_loading(script_args: list[str]) -> None:
+    """At ZeRO-3, make from_pretrained load real weights on local rank 0 only (the others build
+    the model on the meta device and receive their shards when it is sharded)."""
+    from hf_zero.engine.materialize import (
+        install_low_memory_loading,
+        should_use_low_memory_loading,
+        zero_config_from_argv,
+    )
+
+    try:
+        low_memory = should_use_low_memory_loading(zero_config_from_argv(script_args))
+    except Exception:  # a bad config is reported by the script's own argument parsing, with its file
+        low_memory = False
+    if low_memory:
+        install_low_memory_loading()
 
 
 if __name__ == "__main__":
