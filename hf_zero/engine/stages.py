@@ -107,6 +107,9 @@ class ReplicatedStage:
             model,
             device_ids=[self.env.device.index] if self.env.device.type == "cuda" else None,
             bucket_cap_mb=min(bucket_mb, 1024),
+            # Gradients live in the all-reduce buckets instead of beside them: one fp32 copy of
+            # the gradients per rank, not two.
+            gradient_as_bucket_view=True,
         )
         if self.offload is not None:
             # Offload: the optimizer's comm hook reduces (with the same compression) and copies
