@@ -31,7 +31,9 @@ from hf_zero.precision.policy import PrecisionPolicy
 
 __all__ = ["ZeroEngine"]
 
-logger = logging.getLogger("hf_zero")
+from hf_zero.utils.logging import get_logger
+
+logger = get_logger()
 
 OptimizerArg = torch.optim.Optimizer | Callable[..., torch.optim.Optimizer] | None
 SchedulerArg = Any  # an LRScheduler, a callable ``optimizer -> scheduler``, or None
@@ -397,7 +399,7 @@ class ZeroEngine:
         if not self.env.is_main:
             return
         logger.info(
-            "hf_zero: ZeRO stage %d, %s, world size %d on %s (%s)",
+            "ZeRO stage %d, %s, world size %d on %s (%s)",
             self.config.stage,
             self.config.compute_dtype_name,
             self.env.world_size,
@@ -408,8 +410,9 @@ class ZeroEngine:
             from hf_zero.config.parse import describe_no_effect
         except ImportError:  # pragma: no cover - config layer always ships it
             return
+        # Settings the user wrote that change nothing here: said once, at start-up, on rank 0.
         for line in describe_no_effect(self.config):
-            logger.info("hf_zero: %s", line)
+            logger.warning("%s", line)
 
 
 def _check_supported(config: ZeroConfig) -> None:
