@@ -28,7 +28,8 @@ def test_no_effect_keys_reported_once_at_start_up(monkeypatch):
     handler = Catch()
     logger = logging.getLogger("hf_zero")
     logger.addHandler(handler)
-    monkeypatch.setattr(logger, "level", logging.INFO)
+    old_level = logger.level
+    logger.setLevel(logging.INFO)  # setLevel, not the attribute: it clears logging's level cache
     try:
         cfg = {"zero_optimization": {"stage": 2, "round_robin_gradients": True}, "wall_clock_breakdown": True,
                "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "train_micro_batch_size_per_gpu": 2}
@@ -38,7 +39,8 @@ def test_no_effect_keys_reported_once_at_start_up(monkeypatch):
             engine.backward(engine(input_ids=ids, labels=ids).loss)
             engine.step()
     finally:
-        logging.getLogger("hf_zero").removeHandler(handler)
+        logger.removeHandler(handler)
+        logger.setLevel(old_level)
     warnings = [r.getMessage() for r in records if r.levelno == logging.WARNING]
     assert sum("round_robin_gradients" in w for w in warnings) == 1
     assert sum("wall_clock_breakdown" in w for w in warnings) == 1
