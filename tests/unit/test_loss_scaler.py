@@ -134,19 +134,10 @@ def test_grads_have_inf_or_nan():
     assert not grads_have_inf_or_nan([None, torch.empty(0)])
 
 
-def test_grads_have_inf_or_nan_reads_dtensor_local_shard():
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
+def test_grads_have_inf_or_nan_reads_dtensor_local_shard(one_rank_mesh):
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    if dist.is_initialized():
-        pytest.skip("a process group already exists in this process")
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        mesh = init_device_mesh("cpu", (1,))
-        good = distribute_tensor(torch.ones(4, 2), mesh, [Shard(0)])
-        bad = distribute_tensor(torch.tensor([[1.0, float("nan")]]), mesh, [Shard(0)])
-        assert not grads_have_inf_or_nan([good])
-        assert grads_have_inf_or_nan([good, bad])
-    finally:
-        dist.destroy_process_group()
+    good = distribute_tensor(torch.ones(4, 2), one_rank_mesh, [Shard(0)])
+    bad = distribute_tensor(torch.tensor([[1.0, float("nan")]]), one_rank_mesh, [Shard(0)])
+    assert not grads_have_inf_or_nan([good])
+    assert grads_have_inf_or_nan([good, bad])

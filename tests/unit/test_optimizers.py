@@ -249,21 +249,6 @@ def test_optimizer_state_bytes_counts_local_state():
 
 
 # --------------------------------------------------------------------------- DTensor (1 rank)
-@pytest.fixture
-def one_rank_mesh():
-    """A 1-rank gloo mesh in this process (no network: an in-memory store)."""
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-
-    if dist.is_initialized():
-        pytest.skip("a process group already exists in this process")
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield init_device_mesh("cpu", (1,))
-    finally:
-        dist.destroy_process_group()
-
-
 @pytest.mark.parametrize("kind", ["adamw", "sgd", "lion", "lamb"])
 def test_optimizers_step_dtensor_params(one_rank_mesh, kind):
     """The same updates on DTensor (sharded) parameters as on plain ones.
