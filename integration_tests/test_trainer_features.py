@@ -21,7 +21,7 @@ def torchrun(*args: str):
     return run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", WORKER, *args])
 
 
-@pytest.mark.parametrize("stage", [2, 3])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_lora_gradient_checkpointing_eval_predict_generate(stage, tmp_path):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM

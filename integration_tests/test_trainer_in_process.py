@@ -111,3 +111,25 @@ def test_interrupted_checkpoint_never_looks_complete(tmp_path, monkeypatch):
     from transformers.trainer_utils import get_last_checkpoint
 
     assert get_last_checkpoint(str(out)) is None  # the partial folder is not a checkpoint
+
+
+def test_stage3_save_without_gather_points_to_consolidate(tmp_path, caplog):
+    import logging
+
+    cfg = {"zero_optimization": {"stage": 3, "stage3_gather_16bit_weights_on_model_save": False}}
+    trainer = ZeroTrainer(model=AutoModelForCausalLM.from_pretrained(TINY), args=_args(tmp_path, cfg), train_dataset=_data())
+    trainer.train()
+    out = tmp_path / "final"
+    with caplog.at_level(logging.WARNING, logger="hf_zero"):
+        trainer.save_model(str(out))
+    assert not (out / "model.safetensors").exists()  # no 16-bit gather
+    assert (out / "zero_state" / "hf_zero_checkpoint.json").exists()
+    assert any("hf-zero consolidate" in r.getMessage() for r in caplog.records)
+    from hf_zero.checkpoint.consolidate import consolidate_checkpoint
+    from hf_zero.checkpoint.export16 import gather_full_state_dict
+
+    consolidate_checkpoint(out, tmp_path / "consolidated", progress=False)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "consolidated")
+    engine_sd = gather_full_state_dict(trainer.model)
+    for name, tensor in model.state_dict().items():
+        torch.testing.assert_close(tensor, engine_sd[name], rtol=0, atol=0, msg=name)

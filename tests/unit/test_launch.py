@@ -1,0 +1,42 @@
+"""hf-zero run's launch plan and its NCCL settings for consumer cards (pure functions)."""
+
+from __future__ import annotations
+
+from hf_zero.cli.launch import nccl_env_for_gpus, plan_launch
+
+
+def test_consumer_cards_without_p2p_get_the_nccl_variables_and_a_note():
+    env, notes = nccl_env_for_gpus(["NVIDIA GeForce RTX 3090"] * 2, p2p_ok=False, env={})
+    assert env == {"NCCL_P2P_DISABLE": "1", "NCCL_IB_DISABLE": "1"}
+    assert len(notes) == 1 and "NCCL_P2P_DISABLE=1" in notes[0] and "RTX 3090" in notes[0]
+
+
+def test_user_values_win_and_datacenter_cards_are_left_alone():
+    env, _ = nccl_env_for_gpus(["NVIDIA GeForce RTX 4090"] * 2, p2p_ok=False, env={"NCCL_P2P_DISABLE": "0"})
+    assert env == {"NCCL_IB_DISABLE": "1"}
+    assert nccl_env_for_gpus(["NVIDIA H100 80GB HBM3"] * 8, p2p_ok=False, env={}) == ({}, [])
+    assert nccl_env_for_gpus(["NVIDIA GeForce RTX 3090"] * 2, p2p_ok=True, env={}) == ({}, [])
+    assert nccl_env_for_gpus(["NVIDIA GeForce RTX 3090"], p2p_ok=False, env={}) == ({}, [])
+
+
+def test_single_node_is_standalone_and_runs_the_bootstrap():
+    plan = plan_launch("train.py", ["--zero_config", "ds.json"], nproc_per_node=2, env={})
+    assert plan.torchrun_args == [
+        "--nproc_per_node=2", "--standalone", "-m", "hf_zero.integration.bootstrap", "train.py", "--zero_config", "ds.json",
+    ]
+    assert plan.env["OMP_NUM_THREADS"]  # CPU ranks: threads split between them
+
+
+def test_multi_node_passes_the_rendezvous():
+    plan = plan_launch("t.py", [], nproc_per_node=8, nnodes=2, node_rank=1, master_addr="10.0.0.1", master_port=29501,
+                       gpu_names=["NVIDIA A100"] * 8, env={})
+    assert plan.torchrun_args[:5] == ["--nproc_per_node=8", "--nnodes=2", "--node_rank=1", "--master_addr=10.0.0.1", "--master_port=29501"]
+    assert "OMP_NUM_THREADS" not in plan.env
+    assert plan_launch("t.py", [], gpu_names=["NVIDIA A100"] * 4, env={}).torchrun_args[0] == "--nproc_per_node=4"
+
+
+def test_missing_script_is_reported(tmp_path, capsys):
+    from hf_zero.cli.main import main
+
+    assert main(["run", str(tmp_path / "nope.py")]) == 2
+    assert "nope.py" in capsys.readouterr().err
