@@ -133,3 +133,17 @@ def test_stage3_save_without_gather_points_to_consolidate(tmp_path, caplog):
     engine_sd = gather_full_state_dict(trainer.model)
     for name, tensor in model.state_dict().items():
         torch.testing.assert_close(tensor, engine_sd[name], rtol=0, atol=0, msg=name)
+
+
+def test_source_000_launch_flags_parse(tmp_path):
+    """The Qwen command of source 000 (transformers 4.x flags) parses into the transformers 5 fields."""
+    from transformers import HfArgumentParser
+
+    (args,) = HfArgumentParser(ZeroTrainingArguments).parse_args_into_dataclasses([
+        "--output_dir", str(tmp_path), "--deepspeed", str(REPO / "examples/finetune_qwen/ds_zero3.json"),
+        "--evaluation_strategy", "no", "--warmup_ratio", "0.03", "--lr_scheduler_type", "cosine",
+        "--max_steps", "2000", "--learning_rate", "1e-6",
+    ])
+    assert args.eval_strategy == "no" and args.warmup_steps == 0.03
+    assert args.get_warmup_steps(2000) == 60
+    assert args.parsed_zero_config.stage == 3 and args.deepspeed is None

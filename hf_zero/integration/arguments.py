@@ -31,6 +31,7 @@ class ZeroArgumentsMixin:
         from hf_zero.config.schema import ZeroConfig
         from hf_zero.config.parse import parse_config
 
+        _apply_removed_argument_aliases(self)
         deepspeed = getattr(self, "deepspeed", None)
         if deepspeed:
             if self.zero_config is not None and self.zero_config != deepspeed:
@@ -62,6 +63,24 @@ class ZeroArgumentsMixin:
         return False if self.zero_config is not None else None  # type: ignore[return-value]
 
 
+_ALIAS_HELP = "transformers 4.x name, accepted so that old launch commands keep working: {}"
+
+
+def _apply_removed_argument_aliases(args: Any) -> None:
+    """Map transformers 4.x flags that launch commands in tutorials still use (source 000:
+    ``--evaluation_strategy "no" --warmup_ratio 0.03``) onto their transformers 5 fields."""
+    legacy_eval = getattr(args, "evaluation_strategy", None)
+    if legacy_eval is not None:
+        args.eval_strategy = legacy_eval
+    ratio = getattr(args, "warmup_ratio", None)
+    if ratio is not None:
+        if not 0 <= float(ratio) < 1:
+            raise ValueError(f"--warmup_ratio must be in [0, 1), got {ratio}; use --warmup_steps for a step count")
+        if args.warmup_steps not in (0, 0.0):
+            raise ValueError(f"--warmup_ratio {ratio} and --warmup_steps {args.warmup_steps} both given; pass one")
+        args.warmup_steps = float(ratio)  # transformers 5 reads warmup_steps < 1 as a ratio
+
+
 @dataclass
 class ZeroTrainingArguments(ZeroArgumentsMixin, TrainingArguments):
     """``transformers.TrainingArguments`` with ``zero_config``.
@@ -73,6 +92,8 @@ class ZeroTrainingArguments(ZeroArgumentsMixin, TrainingArguments):
     """
 
     zero_config: dict | str | None = field(default=None, metadata={"help": _HELP})
+    evaluation_strategy: str | None = field(default=None, metadata={"help": _ALIAS_HELP.format("--eval_strategy")})
+    warmup_ratio: float | None = field(default=None, metadata={"help": _ALIAS_HELP.format("--warmup_steps <1")})
 
 
 @dataclass
@@ -80,3 +101,5 @@ class ZeroSeq2SeqTrainingArguments(ZeroArgumentsMixin, Seq2SeqTrainingArguments)
     """``Seq2SeqTrainingArguments`` with ``zero_config``."""
 
     zero_config: dict | str | None = field(default=None, metadata={"help": _HELP})
+    evaluation_strategy: str | None = field(default=None, metadata={"help": _ALIAS_HELP.format("--eval_strategy")})
+    warmup_ratio: float | None = field(default=None, metadata={"help": _ALIAS_HELP.format("--warmup_steps <1")})
