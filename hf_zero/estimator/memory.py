@@ -14,7 +14,9 @@ A rank's shard of ``n`` elements is ``ceil(n / N)`` (flat buffers are padded to 
 the formulas are exact integers whenever N divides Ψ. Offload moves some of those terms to host RAM
 or NVMe (see :func:`model_state_bytes`), LoRA shrinks the gradient and optimizer terms to the
 trainable parameters, and, unless switched off, a working-memory term (activations, gathered
-parameters, unsharded gradients) is added per GPU. ``docs/estimator.md`` lists every assumption.
+parameters, unsharded gradients) and hf_zero's own layout terms (fp32 replicas at stages 0/1,
+fp32 gradient reduction; :func:`implementation_terms`) are added per GPU. ``docs/estimator.md``
+lists every assumption.
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ from hf_zero.estimator.units import parse_memory_size
 __all__ = [
     "ACTIVATION_BYTES_PER_AS2B",
     "ACTIVATION_BYTES_PER_SBH",
+    "AUTOCAST_COPY_BYTES",
+    "AUTOCAST_GRAD_BYTES",
     "ADAM_K",
     "ADAM_K_FP32",
     "BYTES_PER_GRAD_16BIT",
@@ -43,13 +47,17 @@ __all__ = [
     "DEFAULT_SUB_GROUP_SIZE",
     "FP32_ACTIVATION_FACTOR",
     "FP32_GRAD_COPY_BYTES",
+    "FP32_REDUCE_BYTES",
     "LOGITS_BYTES_PER_ELEMENT",
     "OFFLOAD_DEVICES",
     "OPTIMIZER_NVME_BUFFER_COUNT",
     "PARAM_NVME_BUFFER_COUNT",
     "PARAM_NVME_BUFFER_SIZE",
     "PRECISIONS",
+    "REPLICA_GRAD_BYTES",
+    "REPLICA_PARAM_BYTES",
     "SPEED_ORDER",
+    "STAGE2_SHARD_EXTRA_BYTES",
     "STAGE3_GATHERED_BLOCKS",
     "ActivationEstimate",
     "Breakdown",
@@ -60,6 +68,7 @@ __all__ = [
     "activation_bytes",
     "estimate",
     "estimate_memory",
+    "implementation_terms",
     "is_valid_choice",
     "model_state_bytes",
     "working_buffer_bytes",
@@ -82,8 +91,9 @@ ADAM_K = 12
 ADAM_K_FP32 = 8
 """Adam state in pure fp32 training: the parameters are the master copy, so only momentum and variance."""
 FP32_GRAD_COPY_BYTES = 4
-"""An offloaded optimizer steps on an fp32 copy of its gradient shard, kept beside the state on the host
-(or NVMe). This is DeepSpeed's ZeRO-Offload layout: 12 + 4 = 16 host bytes per parameter."""
+"""An offloaded optimizer steps on an fp32 copy of its gradient shard, kept in host RAM beside the
+state (DeepSpeed's ZeRO-Offload layout: 12 + 4 = 16 host bytes per parameter). hf_zero keeps it in
+host RAM with NVMe optimizer offload too (it never swaps gradients)."""
 
 # --- activations (Korthikanti et al., 2022) -----------------------------------------------------
 ACTIVATION_BYTES_PER_SBH = 34
@@ -104,9 +114,36 @@ FP32_ACTIVATION_FACTOR = 2
 STAGE3_GATHERED_BLOCKS = 2
 """Stage 3 holds two transformer blocks gathered at once: the one computing and the one prefetched."""
 
-# --- DeepSpeed's defaults for offload buffers (deepspeed/runtime/zero/offload_config.py) ----------
+# --- hf_zero's implementation terms beyond the paper (on by default, off with --no_activations) ----
+# Measured on CPU (integration_tests/test_estimator_vs_measured.py, docs/benchmarks.md); each applies
+# to 16-bit mixed precision only (fp32 training has no 16-bit copies and reduces in its own dtype).
+REPLICA_PARAM_BYTES = 4
+"""Stages 0/1 replicate the **fp32** parameters (DDP; they are the optimizer's master copy, so
+Adam's state is only 8 of the paper's K = 12 bytes), against the paper's 16-bit replica (2)."""
+AUTOCAST_COPY_BYTES = 2
+"""Stages 0/1 run forward under ``torch.autocast``: a 16-bit copy of each weight is made and kept,
+saved for backward, until that layer's backward has run (all of them at the start of backward)."""
+AUTOCAST_GRAD_BYTES = 2
+"""Stages 0/1: backward produces each weight's gradient in 16 bits (for autocast's copy) before it
+is cast and accumulated into the fp32 ``.grad``; with the copies' release lag this adds about
+2 bytes per parameter at the backward peak (measured: 1.5-2)."""
+REPLICA_GRAD_BYTES = 4
+"""Stages 0/1 keep fp32 gradients (the DDP buckets, which the gradients are views of), against the
+paper's 16-bit gradients (2)."""
+STAGE2_SHARD_EXTRA_BYTES = 2
+"""Stage 2 keeps the parameters gathered in 16 bits (the paper's 2Ψ) *and* each rank's shard: the
+fp32 master shard with fp32 gradient shards (4 + 4 + 8 = 16 bytes against the paper's 2 + 12), or,
+with optimizer offload, a 16-bit shard. Either way 2Ψ/N more than the paper."""
+FP32_REDUCE_BYTES = 4
+"""Stages 2/3 reduce-scatter gradients in fp32 (hf_zero's default when ``communication_data_type``
+is unset): FSDP2 casts a unit's unsharded 16-bit gradients to an fp32 buffer and reduce-scatters
+it into an fp32 output shard. At the peak that is 4 bytes x (the largest unit's trainable
+parameters) + 4 x (the same) / N; the root unit (embeddings, head) is normally the largest."""
+
+# --- offload buffers (deepspeed/runtime/zero/offload_config.py defaults) ---------------------------
 OPTIMIZER_NVME_BUFFER_COUNT = 4
-"""``offload_optimizer.buffer_count``: host buffers of one sub-group of fp32 state each."""
+"""``offload_optimizer.buffer_count``: hf_zero allocates ``min(buffer_count, sub-groups)`` host
+buffers, each holding one sub-group's fp32 master and state (K bytes per element)."""
 PARAM_NVME_BUFFER_COUNT = 5
 """``offload_param.buffer_count``: host buffers for parameters read from NVMe."""
 PARAM_NVME_BUFFER_SIZE = 100_000_000
@@ -211,10 +248,12 @@ class Breakdown:
     activations: int = 0
     buffers: int = 0
     """Transient GPU buffers (gathered parameters, unsharded gradients) or host swap buffers for NVMe."""
+    layout: int = 0
+    """hf_zero's implementation terms beyond the paper's model states (:func:`implementation_terms`)."""
 
     @property
     def total(self) -> int:
-        return self.params + self.gradients + self.optimizer + self.activations + self.buffers
+        return self.params + self.gradients + self.optimizer + self.activations + self.buffers + self.layout
 
     def scaled(self, factor: int) -> Breakdown:
         """Every term times ``factor`` (per rank -> per node)."""
@@ -241,6 +280,8 @@ class Row:
     fits: bool
     over: tuple[str, ...] = ()
     """Tiers that exceed their limit (``"gpu"``, ``"cpu"``, ``"nvme"``); empty when it fits."""
+    layout_terms: tuple[tuple[str, int], ...] = ()
+    """The named terms summed in ``gpu.layout`` (per GPU); empty with ``include_activations=False``."""
 
     @property
     def stage(self) -> int:
@@ -366,14 +407,16 @@ def model_state_bytes(
 
     Offload (DeepSpeed ZeRO-Offload / ZeRO-Infinity semantics):
 
-    * ``offload_optimizer`` cpu/nvme moves the K bytes of the rank's optimizer shard and adds an
-      fp32 copy of its gradient shard (:data:`FP32_GRAD_COPY_BYTES`) on the same tier. At stages 2
-      and 3 the reduced gradient shard goes straight there, so the GPU keeps no gradient shard; at
-      stage 1 the full 16-bit gradients stay on the GPU (they are reduced after backward).
+    * ``offload_optimizer`` cpu/nvme moves the K bytes of the rank's optimizer shard to that tier
+      and adds an fp32 copy of its gradient shard (:data:`FP32_GRAD_COPY_BYTES`) in host RAM (for
+      NVMe too: hf_zero does not swap gradients). At stages 2 and 3 the reduced gradient shard goes
+      straight there, so the GPU keeps no gradient shard; at stage 1 the full 16-bit gradients stay
+      on the GPU (they are reduced after backward).
     * ``offload_param`` cpu/nvme (stage 3 only) moves the rank's 16-bit parameter shard.
-    * NVMe needs pinned host buffers: :data:`OPTIMIZER_NVME_BUFFER_COUNT` fp32 buffers of one
-      sub-group for the optimizer, :data:`PARAM_NVME_BUFFER_COUNT` 16-bit buffers of
-      ``max(PARAM_NVME_BUFFER_SIZE, largest_tensor)`` elements for parameters.
+    * NVMe needs host buffers: ``min(OPTIMIZER_NVME_BUFFER_COUNT, sub-groups)`` buffers of one
+      sub-group's master and state (K bytes per element) for the optimizer,
+      :data:`PARAM_NVME_BUFFER_COUNT` 16-bit buffers of ``max(PARAM_NVME_BUFFER_SIZE, largest_tensor)``
+      elements for parameters.
 
     Args:
         choice: stage and offload devices.
@@ -414,7 +457,7 @@ def model_state_bytes(
     elif choice.offload_optimizer == "none":
         put("none", gradients=precision.grad_bytes * shard(trainable_params))
     if choice.offload_optimizer != "none":
-        put(choice.offload_optimizer, gradients=FP32_GRAD_COPY_BYTES * shard(trainable_params))
+        put("cpu", gradients=FP32_GRAD_COPY_BYTES * shard(trainable_params))
 
     # Optimizer state: replicated at stage 0, sharded from stage 1, on the offload device if any.
     optimizer_elements = trainable_params if choice.stage == 0 else shard(trainable_params)
@@ -423,7 +466,9 @@ def model_state_bytes(
     # NVMe tiers stream through pinned host buffers.
     if choice.offload_optimizer == "nvme":
         sub_group = min(sub_group_size, shard(trainable_params))
-        put("cpu", buffers=OPTIMIZER_NVME_BUFFER_COUNT * sub_group * BYTES_PER_PARAM_FP32)
+        sub_groups = max(1, -(-shard(trainable_params) // sub_group)) if sub_group else 1
+        count = min(OPTIMIZER_NVME_BUFFER_COUNT, sub_groups)
+        put("cpu", buffers=count * sub_group * precision.optimizer_k)
     if choice.offload_param == "nvme":
         buffer_elements = max(PARAM_NVME_BUFFER_SIZE, largest_tensor)
         put("cpu", buffers=PARAM_NVME_BUFFER_COUNT * buffer_elements * precision.param_bytes)
@@ -465,6 +510,59 @@ def working_buffer_bytes(
         return unsharded_grads
     gathered = precision.param_bytes * (root_params + STAGE3_GATHERED_BLOCKS * block_params)
     return gathered + unsharded_grads
+
+
+def implementation_terms(
+    choice: ZeroChoice,
+    *,
+    total_params: int,
+    trainable_params: int,
+    ranks: int,
+    largest_unit_trainable: int,
+    precision: Precision = PRECISIONS["bf16"],
+) -> dict[str, int]:
+    """GPU bytes per rank that hf_zero's layout holds beyond the ZeRO paper's model states, by name.
+
+    The paper (:func:`model_state_bytes`) describes 16-bit parameters and gradients plus K bytes of
+    optimizer state; hf_zero differs where noted below (16-bit mixed precision only; with
+    ``dtype="fp32"`` every term is 0). With Ψ = ``total_params``, T = ``trainable_params``,
+    N' = 1 at stage 0 and N at stage 1, U = ``largest_unit_trainable``:
+
+    * stages 0/1, "replicated fp32 layout": fp32 parameters (:data:`REPLICA_PARAM_BYTES`) + autocast's
+      16-bit copies (:data:`AUTOCAST_COPY_BYTES`) and their 16-bit gradients
+      (:data:`AUTOCAST_GRAD_BYTES`) + fp32 gradients (:data:`REPLICA_GRAD_BYTES`) + Adam moments
+      (K - 4 per trainable element, over N'; none on the GPU with optimizer offload), minus the
+      paper's 2Ψ + 2T + KT/N' (KT/N' is on the host with offload). For a full fine-tune that is
+      8Ψ - 4Ψ/N' without offload (4Ψ at stage 0, 6Ψ at stage 1 on 2 GPUs) and 8Ψ with offload.
+    * stage 2, "parameter shard beside the gathered copy": :data:`STAGE2_SHARD_EXTRA_BYTES` x Ψ/N.
+    * stages 2/3, "fp32 gradient reduction": :data:`FP32_REDUCE_BYTES` x (U + U/N).
+
+    Example (stage 0, 1000 parameters, one unit of 400):
+        >>> implementation_terms(ZeroChoice(0), total_params=1000, trainable_params=1000, ranks=1,
+        ...     largest_unit_trainable=400)
+        {'replicated fp32 layout (fp32 params, autocast copies, fp32 grads)': 4000}
+    """
+    if precision.param_bytes != BYTES_PER_PARAM_16BIT:
+        return {}
+    terms: dict[str, int] = {}
+    if choice.stage < 2:
+        opt_elements = trainable_params if choice.stage == 0 else _shard(trainable_params, ranks)
+        on_gpu = choice.offload_optimizer == "none"
+        hf_zero = (REPLICA_PARAM_BYTES + AUTOCAST_COPY_BYTES + AUTOCAST_GRAD_BYTES) * total_params
+        hf_zero += REPLICA_GRAD_BYTES * trainable_params
+        paper = precision.param_bytes * total_params + precision.grad_bytes * trainable_params
+        if on_gpu:
+            hf_zero += (precision.optimizer_k - REPLICA_PARAM_BYTES) * opt_elements
+            paper += precision.optimizer_k * opt_elements
+        terms["replicated fp32 layout (fp32 params, autocast copies, fp32 grads)"] = hf_zero - paper
+        return terms
+    if choice.stage == 2:
+        terms["stage-2 parameter shard beside the gathered copy"] = STAGE2_SHARD_EXTRA_BYTES * _shard(total_params, ranks)
+    if largest_unit_trainable:
+        terms["fp32 gradient reduction (largest unit)"] = FP32_REDUCE_BYTES * (
+            largest_unit_trainable + _shard(largest_unit_trainable, ranks)
+        )
+    return terms
 
 
 def activation_bytes(
@@ -658,14 +756,28 @@ def estimate(
                     root_trainable=root_trainable or 0,
                     precision=precision,
                 )
-            gpu = gpu.plus(activations=activations.total if activations else 0, buffers=buffers)
+            unit = max(block_trainable or 0, root_trainable or 0)
+            terms = implementation_terms(
+                choice,
+                total_params=total_params,
+                trainable_params=trainable,
+                ranks=ranks,
+                largest_unit_trainable=unit,
+                precision=precision,
+            )
+            layout_terms = tuple(terms.items())
+            gpu = gpu.plus(activations=activations.total if activations else 0, buffers=buffers,
+                           layout=sum(terms.values()))
+        else:
+            layout_terms = ()
         cpu, nvme = cpu.scaled(num_gpus), nvme.scaled(num_gpus)  # per rank -> per node
         over = tuple(
             tier
             for tier, need, limit in (("gpu", gpu.total + reserve, gpu_limit), ("cpu", cpu.total, cpu_limit), ("nvme", nvme.total, nvme_limit))
             if limit is not None and need > limit
         )
-        rows.append(Row(choice=choice, speed_rank=speed_rank, gpu=gpu, cpu=cpu, nvme=nvme, fits=not over, over=over))
+        rows.append(Row(choice=choice, speed_rank=speed_rank, gpu=gpu, cpu=cpu, nvme=nvme, fits=not over, over=over,
+                        layout_terms=layout_terms))
 
     if _shard(trainable, ranks) <= sub_group_size:
         # DeepSpeed's swapper steps one sub-group at a time through OPTIMIZER_NVME_BUFFER_COUNT fp32

@@ -173,7 +173,7 @@ def render_report(est: Estimate, *, nvme_path: str = DEFAULT_NVME_PATH) -> str:
     for line in table:
         cells = [cell.rjust(widths[i]) if i in numeric else cell.ljust(widths[i]) for i, cell in enumerate(line)]
         out.append("  " + "  ".join(cells).rstrip())
-    out.append("  (rows fastest first; GPU includes activations and transient buffers unless --no_activations)")
+    out.append("  (rows fastest first; GPU includes activations, transient buffers and hf_zero's layout terms unless --no_activations)")
     out.append("")
 
     best = est.fastest_fit
@@ -185,8 +185,10 @@ def render_report(est: Estimate, *, nvme_path: str = DEFAULT_NVME_PATH) -> str:
         out.append(
             f"  per GPU {format_bytes(g.total)} = params {format_bytes(g.params)} + gradients {format_bytes(g.gradients)}"
             f" + optimizer {format_bytes(g.optimizer)} + activations {format_bytes(g.activations)}"
-            f" + buffers {format_bytes(g.buffers)}"
+            f" + buffers {format_bytes(g.buffers)} + hf_zero layout {format_bytes(g.layout)}"
         )
+        for name, value in best.layout_terms:
+            out.append(f"    hf_zero layout: {name} {format_bytes(value)}")
         out.append("Save this as ds_config.json and pass --zero_config ds_config.json:")
         if "nvme" in (best.offload_optimizer, best.offload_param):
             out.append(f"(set nvme_path to a folder on a fast local NVMe disk; {nvme_path!r} is a placeholder)")

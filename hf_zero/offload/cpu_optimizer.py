@@ -414,7 +414,9 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         for chunk in self.chunks:
             self._space.create(f"optimizer_chunk{chunk.index:05d}.swp", self._record_bytes(chunk))
         largest = max((self._record_bytes(c) for c in self.chunks), default=4096)
-        count = max(1, int(self.cfg.buffer_count))
+        # Each buffer holds one chunk's record (master + state) at a time, and a step never puts two
+        # buffers on one chunk: buffers beyond one per chunk would never be used.
+        count = max(1, min(int(self.cfg.buffer_count), len(self.chunks)))
         self._pool = BufferPool(count, largest, pin=self._pin, setting=f"{_SETTING}.pin_memory")
         # Write the initial masters; from here on the host keeps none.
         for chunk in self.chunks:
@@ -448,12 +450,13 @@ class OffloadedOptimizer(torch.optim.Optimizer):
 
     def prefetch(self) -> None:
         """Start reading the first chunks into free buffers (called when backward begins), so
-        that the step finds them in memory. Keeps one buffer free for the step's own read-ahead."""
+        that the step finds them in memory. Keeps one buffer free for the step's own read-ahead,
+        unless there is a buffer for every chunk (then every chunk is read now)."""
         if not self._nvme or self._closed or self._prefetched:
             return
-        spare = self._pool.count - 1
-        for chunk in self.chunks[:spare]:
-            if self._pool.available() <= 1:
+        keep_free = 0 if self._pool.count >= len(self.chunks) else 1
+        for chunk in self.chunks[: self._pool.count - keep_free]:
+            if self._pool.available() <= keep_free:
                 break
             self._prefetched[chunk.index] = self._start_read(chunk)
 
@@ -590,6 +593,10 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                 raise OffloadError("the offloaded optimizer is closed (its engine was closed)")
             if torch.cuda.is_available() and self._comm_device.type == "cuda":
                 torch.cuda.synchronize()  # asynchronous gradient copies to pinned memory have landed
+            for feed in self._feeds:  # no device gradient buffer is kept through the step
+                release = getattr(feed, "release", None)
+                if release is not None:
+                    release()
             for check in self.pre_step_checks:
                 check()
             self._sync_hyper()

@@ -93,6 +93,10 @@ class _FsdpGradFeed:
     follow in it in order, each padded to :func:`_padded_shard_numel`. The first gradients are
     checked against FSDP2's own cast, so a torch that lays the buffer out differently fails with
     a clear error instead of training on wrong gradients.
+
+    The reduce-scatter output (4 bytes x the unit's elements / N) is dropped as soon as its last
+    parameter's gradient has been copied to the host (and, in any case, by :meth:`release`, which
+    the optimizer calls before stepping), so no fp32 gradient buffer outlives its backward.
     """
 
     _CHECKS = 4096
@@ -137,8 +141,20 @@ class _FsdpGradFeed:
                     )
         self._opt.accumulate_grad(param, exact)
         param.grad = None  # no gradient shard stays on the accelerator
+        if self._flat is not None and self._cursor >= self._flat.numel():
+            self.release()  # the unit's last gradient has been copied: drop its fp32 output
+
+    def release(self) -> None:
+        """Drop the reference to the last reduce-scatter output (its gradients are on the host)."""
+        flat, self._flat = self._flat, None
+        self._cursor = 0
+        if flat is not None and flat.is_cuda:
+            # The host copies of its slices may still be in flight on the current stream: the
+            # caching allocator must not hand the block out before they have run.
+            flat.record_stream(torch.cuda.current_stream(flat.device))
 
     def remove(self) -> None:
+        self.release()
         for handle in self._handles:
             handle.remove()
         self._handles = []

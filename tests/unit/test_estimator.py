@@ -14,6 +14,12 @@ from hf_zero.cli import estimate_cmd
 from hf_zero.estimator import (
     ADAM_K,
     ADAM_K_FP32,
+    AUTOCAST_COPY_BYTES,
+    AUTOCAST_GRAD_BYTES,
+    FP32_REDUCE_BYTES,
+    REPLICA_GRAD_BYTES,
+    REPLICA_PARAM_BYTES,
+    STAGE2_SHARD_EXTRA_BYTES,
     BYTES_PER_GRAD_16BIT,
     BYTES_PER_PARAM_16BIT,
     DEFAULT_SUB_GROUP_SIZE,
@@ -33,6 +39,7 @@ from hf_zero.estimator import (
     compare_with_measurement,
     estimate,
     estimate_memory,
+    implementation_terms,
     is_valid_choice,
     load_model_spec,
     model_state_bytes,
@@ -273,12 +280,22 @@ def test_nvme_moves_state_to_disk_and_needs_host_buffers():
     gpu, cpu, nvme = _tiers(ZeroChoice(3, "nvme", "nvme"), largest=largest)
     assert gpu.total == 0
     assert nvme.params == BYTES_PER_PARAM_16BIT * SH_P
-    assert nvme.optimizer == ADAM_K * SH_T and nvme.gradients == FP32_GRAD_COPY_BYTES * SH_T
+    # hf_zero swaps master and state, not gradients: the fp32 gradient shard stays in host RAM.
+    assert nvme.optimizer == ADAM_K * SH_T and nvme.gradients == 0
+    assert cpu.gradients == FP32_GRAD_COPY_BYTES * SH_T
+    # One sub-group (the shard is below sub_group_size): one buffer of master + state (K bytes/element).
     assert cpu.buffers == (
-        OPTIMIZER_NVME_BUFFER_COUNT * min(DEFAULT_SUB_GROUP_SIZE, SH_T) * 4
+        1 * min(DEFAULT_SUB_GROUP_SIZE, SH_T) * ADAM_K
         + PARAM_NVME_BUFFER_COUNT * max(PARAM_NVME_BUFFER_SIZE, largest) * BYTES_PER_PARAM_16BIT
     )
-    assert cpu.total == cpu.buffers
+    assert cpu.total == cpu.buffers + cpu.gradients
+    # Many sub-groups: buffer_count buffers of one sub-group each.
+    gpu, cpu, nvme = model_state_bytes(ZeroChoice(3, "nvme"), total_params=P, trainable_params=T, ranks=N,
+                                       sub_group_size=100_000)
+    assert cpu.buffers == OPTIMIZER_NVME_BUFFER_COUNT * 100_000 * ADAM_K
+    gpu, cpu, nvme = model_state_bytes(ZeroChoice(3, "nvme"), total_params=P, trainable_params=T, ranks=N,
+                                       sub_group_size=SH_T // 2)
+    assert cpu.buffers == 2 * (SH_T // 2) * ADAM_K  # two sub-groups: two buffers
 
 
 @pytest.mark.parametrize("choice", SPEED_ORDER, ids=lambda c: c.label())
@@ -347,13 +364,33 @@ def test_working_memory_is_added_per_gpu_and_switched_off_by_no_activations(tmp_
     for row_on, row_off in zip(on.rows, off.rows):
         buffers = working_buffer_bytes(row_on.choice, block_params=spec.block_params, root_params=spec.root_params,
                                        block_trainable=spec.block_params, root_trainable=spec.root_params)
-        assert row_on.gpu_bytes == row_off.gpu_bytes + act.total + buffers
+        terms = implementation_terms(row_on.choice, total_params=on.total_params, trainable_params=on.trainable_params,
+                                     ranks=2, largest_unit_trainable=max(spec.block_params, spec.root_params))
+        assert dict(row_on.layout_terms) == terms and row_on.gpu.layout == sum(terms.values()) > 0
+        assert row_on.gpu_bytes == row_off.gpu_bytes + act.total + buffers + sum(terms.values())
         assert (row_on.cpu_bytes, row_on.nvme_bytes) == (row_off.cpu_bytes, row_off.nvme_bytes)
-        assert row_off.gpu.activations == row_off.gpu.buffers == 0
+        assert row_off.gpu.activations == row_off.gpu.buffers == row_off.gpu.layout == 0
+        assert row_off.layout_terms == ()
     stage3 = working_buffer_bytes(ZeroChoice(3), block_params=10, root_params=7, block_trainable=10, root_trainable=7)
     assert stage3 == 2 * (7 + STAGE3_GATHERED_BLOCKS * 10) + 2 * (7 + 10)
     assert working_buffer_bytes(ZeroChoice(2), block_params=10, root_params=7, block_trainable=1, root_trainable=0) == 2
     assert working_buffer_bytes(ZeroChoice(1), block_params=10, root_params=7, block_trainable=10, root_trainable=7) == 0
+
+
+def test_implementation_terms_describe_hf_zeros_layout():
+    psi, n, unit = 1_000_000, 4, 300_000
+    kw = dict(total_params=psi, trainable_params=psi, ranks=n, largest_unit_trainable=unit)
+    (s0,) = implementation_terms(ZeroChoice(0), **kw).values()
+    # fp32 params + autocast copy + its 16-bit grads + fp32 grads + Adam moments vs (2 + 2 + 12)Ψ
+    assert s0 == (REPLICA_PARAM_BYTES + AUTOCAST_COPY_BYTES + AUTOCAST_GRAD_BYTES + REPLICA_GRAD_BYTES + 8) * psi - 16 * psi
+    (s1,) = implementation_terms(ZeroChoice(1), **kw).values()
+    assert s1 == 12 * psi + 8 * psi // n - (4 * psi + 12 * psi // n)
+    (s1_off,) = implementation_terms(ZeroChoice(1, "cpu"), **kw).values()
+    assert s1_off == 12 * psi - 4 * psi
+    s2 = implementation_terms(ZeroChoice(2), **kw)
+    assert sorted(s2.values()) == sorted([STAGE2_SHARD_EXTRA_BYTES * psi // n, FP32_REDUCE_BYTES * (unit + unit // n)])
+    assert list(implementation_terms(ZeroChoice(3, "cpu", "cpu"), **kw).values()) == [FP32_REDUCE_BYTES * (unit + unit // n)]
+    assert implementation_terms(ZeroChoice(3), **kw, precision=PRECISIONS["fp32"]) == {}
 
 
 # --- fits ---------------------------------------------------------------------------------------
@@ -540,7 +577,8 @@ def test_docstring_examples():
 def test_nvme_configs_carry_the_sub_group_size_the_estimate_assumed():
     est = estimate(8_000_000, num_gpus=2, include_activations=False, sub_group_size=1_000_000)
     row = next(r for r in est.rows if r.choice == ZeroChoice(2, "nvme"))
-    assert row.cpu.buffers == 2 * OPTIMIZER_NVME_BUFFER_COUNT * 1_000_000 * 4  # 2 GPUs on the node
+    # 2 GPUs on the node; each shard (4M) is 4 sub-groups of 1M: min(buffer_count, 4) buffers of 12 bytes/element
+    assert row.cpu.buffers == 2 * min(OPTIMIZER_NVME_BUFFER_COUNT, 4) * 1_000_000 * ADAM_K
     assert zero_config_for(row, sub_group_size=1_000_000)["zero_optimization"]["sub_group_size"] == 1_000_000
     assert "sub_group_size" not in zero_config_for(ZeroChoice(2, "cpu"))["zero_optimization"]
     assert not any("sub_group_size" in n for n in est.notes)  # shard 4M > sub-group 1M
