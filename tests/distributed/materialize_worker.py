@@ -40,38 +40,12 @@ def check(name: str, ok: bool, detail: str = "") -> None:
 
 
 def _integrate_stage() -> None:
-    """Make FullyShardedStage.wrap fill meta shards from rank 0, unless it already does (the patch
-    proposed for stages.py; this is that exact code)."""
+    """The real FullyShardedStage.wrap must fill meta shards from rank 0: the checks below run
+    through it (a copy of the stage here would test the copy, not hf_zero)."""
     from hf_zero.engine import stages
 
-    if "sharded_from_rank0" in inspect.getsource(stages.FullyShardedStage.wrap):
-        RESULTS["stage_integrated"] = [True, "stages.py calls sharded_from_rank0"]
-        return
-    RESULTS["stage_integrated"] = [True, "monkeypatched here (stages.py not patched yet)"]
-
-    def wrap(self, model):
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
-
-        from hf_zero.engine.materialize import sharded_from_rank0
-
-        mesh = init_device_mesh(self.env.device.type, (self.env.world_size,))
-        kwargs = dict(mesh=mesh, reshard_after_forward=self.stage == 3, mp_policy=self.precision.fsdp_mp_policy())
-        stages._set_master_dtypes(model, self.precision)
-        self.units = stages.find_wrap_units(model)
-        offload = getattr(self, "offload", None)
-        if offload is not None:
-            kwargs.update(offload.prepare_fsdp(model, self.units))
-        with sharded_from_rank0(model, mesh):
-            for unit in self.units:
-                fully_shard(unit, **kwargs)
-            fully_shard(model, **kwargs)
-        self.root = model
-        if offload is not None:
-            offload.after_fsdp(model, self.units)
-        return model
-
-    stages.FullyShardedStage.wrap = wrap
+    integrated = "sharded_from_rank0" in inspect.getsource(stages.FullyShardedStage.wrap)
+    RESULTS["stage_integrated"] = [integrated, "FullyShardedStage.wrap calls sharded_from_rank0"]
 
 
 def full_state(model) -> dict[str, torch.Tensor]:
