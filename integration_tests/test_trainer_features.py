@@ -70,3 +70,11 @@ def test_chatglm_lora_example_through_hf_zero_run(tmp_path):
     assert (out / "adapter_model.safetensors").exists()
     proc = run([sys.executable, "examples/chatglm_lora/inference_hf.py", str(out), "--prompt", "类型#裙*颜色#蓝色", "--max_new_tokens", "8"])
     assert proc.stdout.strip()
+
+
+def test_model_write_failing_on_rank_0_raises_on_every_rank(tmp_path):
+    torchrun("save_fails", "3", str(tmp_path))
+    errors = json.loads((tmp_path / "result.json").read_text())["save_errors"]
+    assert "No space left on device" in errors[0]
+    assert errors[1] is not None and "rank 0" in errors[1] and "No space left" in errors[1]
+    assert not (tmp_path / "model.safetensors").exists()

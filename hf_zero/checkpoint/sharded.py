@@ -93,8 +93,11 @@ def _broadcast(obj: Any) -> Any:
     return box[0]
 
 
-def _agree(error: BaseException | None, what: str) -> None:
-    """Raise on every rank when ``what`` failed on any rank, so no rank waits in a later collective."""
+def agree_on_error(error: BaseException | None, what: str) -> None:
+    """Raise on every rank when ``what`` failed on any rank, so no rank waits in a later collective.
+
+    Every rank must call it (it gathers each rank's error), also the ranks that did nothing.
+    """
     if _world() > 1:
         messages: list[str | None] = [None] * _world()
         dist.all_gather_object(messages, None if error is None else f"{type(error).__name__}: {error}")
@@ -298,14 +301,14 @@ def save_checkpoint(engine: Any, checkpoint_dir: str | os.PathLike, *, extra_sta
             os.makedirs(tmp)
         except BaseException as exc:
             error = exc
-    _agree(error, f"creating {tmp}")
+    agree_on_error(error, f"creating {tmp}")
 
     try:
         try:
             state = _portable_state(engine, module)
         except BaseException as exc:
             error = exc
-        _agree(error, "collecting the engine state")
+        agree_on_error(error, "collecting the engine state")
         # DCP agrees on errors across ranks itself (it raises CheckpointException everywhere).
         with _dcp_errors(f"writing {final}"):
             dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp))
@@ -314,13 +317,13 @@ def save_checkpoint(engine: Any, checkpoint_dir: str | os.PathLike, *, extra_sta
             torch.save(_rng_state(), os.path.join(tmp, RNG_NAME.format(rank=rank)))
         except BaseException as exc:
             error = exc
-        _agree(error, "saving RNG states")
+        agree_on_error(error, "saving RNG states")
         if rank == 0:
             try:
                 _finish_save(engine, module, tmp, final, extra_json)
             except BaseException as exc:
                 error = exc
-        _agree(error, f"finishing {final}")
+        agree_on_error(error, f"finishing {final}")
     except BaseException:
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -452,7 +455,7 @@ def load_checkpoint(engine: Any, checkpoint_dir: str | os.PathLike) -> dict | No
             raise CheckpointError(f"{path} has no optimizer state (saved by an engine without an optimizer)")
     except BaseException as exc:
         error = exc
-    _agree(error, f"reading {path}")
+    agree_on_error(error, f"reading {path}")
 
     state = _portable_state(engine, module)
     local_groups = _local_param_groups(engine, module) if "optimizer" in state else None

@@ -268,10 +268,15 @@ class ZeroTrainerMixin:
             key_filter = trainable.__contains__
         with engine.params_resident():  # NVMe-swapped parameter shards are read back first
             state = gather_full_state_dict(self.model, dtype=engine.precision.compute_dtype, state_dict_filter=key_filter)
+        from hf_zero.checkpoint.sharded import agree_on_error
+
+        error = None
         if self.args.should_save:
-            self._save(output_dir, state_dict=state)
-        if dist.is_initialized():
-            dist.barrier()
+            try:
+                self._save(output_dir, state_dict=state)
+            except Exception as exc:  # e.g. a full disk: every rank must hear of it, not wait
+                error = exc
+        agree_on_error(error, f"writing the model to {output_dir}")
 
     def _save_zero_state(self, output_dir: str) -> None:
         from hf_zero.checkpoint.sharded import save_checkpoint
@@ -292,27 +297,37 @@ class ZeroTrainerMixin:
         run_dir = self._get_output_dir(trial=trial)
         final_dir = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
         work_dir = final_dir + ".incomplete"
+        from hf_zero.checkpoint.sharded import agree_on_error
+
+        error = None
         if self.args.should_save:
-            shutil.rmtree(work_dir, ignore_errors=True)
-            os.makedirs(work_dir)
-        _barrier()
+            try:
+                shutil.rmtree(work_dir, ignore_errors=True)
+                os.makedirs(work_dir)
+            except Exception as exc:
+                error = exc
+        agree_on_error(error, f"creating {work_dir}")
 
         self.save_model(work_dir, _internal_call=True)
         self._save_zero_state(work_dir)
+        _barrier()  # every rank's sharded-state files are on disk before the checkpoint is completed
+        error = None
         if self.args.should_save:
-            for cb in [c for c in self.callback_handler.callbacks + [self.control] if isinstance(c, ExportableState)]:
-                name = cb.__class__.__name__
-                if isinstance(self.state.stateful_callbacks.get(name), list):
-                    self.state.stateful_callbacks[name].append(cb.state())
-                else:
-                    self.state.stateful_callbacks[name] = cb.state()
-            self.state.save_to_json(os.path.join(work_dir, TRAINER_STATE_NAME))
-        _barrier()
-        if self.args.should_save:
-            if os.path.exists(final_dir):
-                shutil.rmtree(final_dir)
-            os.replace(work_dir, final_dir)
-        _barrier()
+            try:
+                for cb in [c for c in self.callback_handler.callbacks + [self.control] if isinstance(c, ExportableState)]:
+                    name = cb.__class__.__name__
+                    if isinstance(self.state.stateful_callbacks.get(name), list):
+                        self.state.stateful_callbacks[name].append(cb.state())
+                    else:
+                        self.state.stateful_callbacks[name] = cb.state()
+                self.state.save_to_json(os.path.join(work_dir, TRAINER_STATE_NAME))
+                # Only now is the checkpoint complete: the rename makes it visible as checkpoint-N.
+                if os.path.exists(final_dir):
+                    shutil.rmtree(final_dir)
+                os.replace(work_dir, final_dir)
+            except Exception as exc:
+                error = exc
+        agree_on_error(error, f"finishing checkpoint {final_dir}")
 
         if self.args.save_strategy in [SaveStrategy.STEPS, SaveStrategy.EPOCH, SaveStrategy.BEST] and self.state.best_global_step:
             best_dir = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.best_global_step}")

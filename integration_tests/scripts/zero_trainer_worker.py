@@ -68,6 +68,26 @@ def main() -> None:
         )
         if trainer.args.should_save:
             torch.save(adapter, out / "engine_adapter.pt")
+    elif scenario == "save_fails":
+        # Rank 0 cannot write the model (a full disk): every rank must get an error, none may wait.
+        import errno
+
+        args = ZeroTrainingArguments(ddp_timeout=120, **common)
+        trainer = ZeroTrainer(model=tiny_model("llama"), args=args, train_dataset=dataset(16))
+        trainer.train()
+        if trainer.args.process_index == 0:
+            def full_disk(*a, **k):
+                raise OSError(errno.ENOSPC, "No space left on device")
+
+            trainer._save = full_disk
+        try:
+            trainer.save_model()
+            result["save_error"] = None
+        except Exception as exc:
+            result["save_error"] = f"{type(exc).__name__}: {exc}"
+        errors = [None, None]
+        torch.distributed.all_gather_object(errors, result["save_error"])
+        result["save_errors"] = errors
     elif scenario == "moe":
         args = ZeroTrainingArguments(**common)
         trainer = ZeroTrainer(model=tiny_model("qwen2_moe"), args=args, train_dataset=dataset(16))
