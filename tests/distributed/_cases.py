@@ -54,12 +54,14 @@ class Case:
 
 
 def parity_cases() -> list[Case]:
-    """Every stage in fp32 and bf16 with accumulation 1 and 2, fp16 at stages 2 and 3; tied and
-    untied embeddings alternate so each stage sees both."""
+    """Every stage in fp32 and bf16 with accumulation 1 and 2, fp16 at stages 2 and 3, MoE at
+    stage 3; tied and untied embeddings alternate so each stage sees both."""
     cases = []
     for stage in range(4):
         for i, (dtype, gas) in enumerate([("fp32", 1), ("fp32", 2), ("bf16", 1), ("bf16", 2)]):
             cases.append(Case(stage=stage, dtype=dtype, gas=gas, model="qwen2_tied" if (i + stage) % 2 else "llama"))
     cases.append(Case(stage=2, dtype="fp16", gas=2, model="qwen2_tied"))
     cases.append(Case(stage=3, dtype="fp16", gas=1, model="llama"))
+    # MoE blocks (routing is per token, so splitting the batch over ranks changes nothing).
+    cases.append(Case(stage=3, dtype="fp32", gas=2, model="qwen2_moe"))
     return cases
