@@ -147,3 +147,40 @@ def test_source_000_launch_flags_parse(tmp_path):
     assert args.eval_strategy == "no" and args.warmup_steps == 0.03
     assert args.get_warmup_steps(2000) == 60
     assert args.parsed_zero_config.stage == 3 and args.deepspeed is None
+
+
+@pytest.mark.parametrize("stage", [0, 2])
+@pytest.mark.parametrize("schedule", ["trainer", "config"])
+def test_logged_learning_rate_is_the_one_each_update_used(tmp_path, stage, schedule):
+    """The plain Trainer logs the rate an update used (read before lr_scheduler.step()); so must
+    hf_zero, whose engine steps the scheduler inside the update. The rate used is read from the
+    optimizer just before each update; with the Trainer's own schedule the log is also compared
+    per step with a plain Trainer's."""
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    class RecordUsed(TrainerCallback):
+        def __init__(self):
+            self.used = []
+
+        def on_pre_optimizer_step(self, args, state, control, optimizer=None, **kwargs):
+            self.used.append(optimizer.param_groups[0]["lr"])
+
+    kw = dict(per_device_train_batch_size=4, max_steps=5, logging_steps=1, report_to="none", save_strategy="no",
+              learning_rate=1e-3, warmup_steps=2, lr_scheduler_type="linear", seed=3)
+    cfg = {"zero_optimization": {"stage": stage}}
+    if schedule == "config":  # DeepSpeed's WarmupDecayLR, lengths from "auto"
+        cfg["scheduler"] = {"type": "WarmupDecayLR", "params": {"warmup_min_lr": 0, "warmup_max_lr": "auto",
+                            "warmup_num_steps": "auto", "total_num_steps": "auto", "warmup_type": "linear"}}
+    record = RecordUsed()
+    zero = ZeroTrainer(model=AutoModelForCausalLM.from_pretrained(TINY), train_dataset=_data(), callbacks=[record],
+                       args=ZeroTrainingArguments(output_dir=str(tmp_path / "zero"), zero_config=cfg, **kw))
+    zero.train()
+    got = [h["learning_rate"] for h in zero.state.log_history if "loss" in h]
+    assert len(record.used) == 5 and len(set(record.used)) > 2  # the schedule moved: the control
+    assert got == pytest.approx(record.used, rel=1e-9, abs=1e-12)
+    if schedule == "trainer":
+        plain = Trainer(model=AutoModelForCausalLM.from_pretrained(TINY), train_dataset=_data(),
+                        args=TrainingArguments(output_dir=str(tmp_path / "plain"), **kw))
+        plain.train()
+        expected = [h["learning_rate"] for h in plain.state.log_history if "loss" in h]
+        assert got == pytest.approx(expected, rel=1e-9, abs=1e-12)

@@ -93,6 +93,7 @@ class ZeroEngine:
         self._window_grad_norm: float | None = None  # norm of the gradients being accumulated
         self._last_grad_norm: float | None = None  # norm of the last update, for logging
         self._last_step_skipped = False
+        self._last_step_lrs: list[float] | None = None  # learning rates the last update used
         self._report_start()
 
     # ----------------------------------------------------------------------------- training loop
@@ -188,6 +189,11 @@ class ZeroEngine:
         if self.optimizer is None:
             return []
         return [float(g["lr"]) for g in self.optimizer.param_groups]
+
+    def get_last_step_lr(self) -> list[float]:
+        """Learning rate of each param group as the last update used it (before the scheduler
+        stepped; the current values until the first update)."""
+        return list(self._last_step_lrs) if self._last_step_lrs is not None else self.get_lr()
 
     def get_global_grad_norm(self) -> float | None:
         """Global gradient norm of the last update (before clipping), ``inf`` on overflow."""
@@ -371,6 +377,7 @@ class ZeroEngine:
         For callers that count accumulation themselves, like the Trainer's loop."""
         if self.optimizer is None:
             raise RuntimeError("this engine has no optimizer: pass optimizer= or add an optimizer section")
+        self._last_step_lrs = self.get_lr()
         overflow = self._unscale_and_check_overflow()
         self.loss_scaler.update_scale(overflow)
         if overflow:

@@ -20,7 +20,8 @@ and the node's total does not drop (rank 0 reads the whole file instead of each 
    holding meta tensors allocate their shards (``to_empty``) and every rank receives its shard of
    each parameter from rank 0, one tensor at a time (a scatter, so no rank but rank 0 ever holds a
    full tensor); buffers (rotary ``inv_freq`` and other non-persistent ones included) are broadcast
-   whole. When no rank has meta tensors this costs one 2-element all-reduce and nothing else.
+   whole. The engine does this also when every rank holds real weights (one scatter of the model):
+   ranks that built different weights then still start from rank 0's, as with DDP.
 
 Multi-node: each node's local rank 0 loads its own copy (one per node, as the requirement says);
 the 1-D mesh spans every rank, so global rank 0 is the single source and the other nodes' copies
@@ -321,10 +322,17 @@ def _flags(model: nn.Module, group, device: torch.device) -> tuple[bool, bool]:
     return bool(flags[0]), bool(flags[1])
 
 
-def capture_full_state(model: nn.Module, mesh=None) -> dict[str, torch.Tensor] | None:
-    """Collective; call before ``fully_shard``. Returns None when no rank has meta tensors (then
-    :func:`fill_sharded_from_rank0` does nothing), else, on the source rank (rank 0 of the mesh),
-    ``{name: tensor}`` aliasing its full parameters (no copy) and ``{}`` on the other ranks.
+def capture_full_state(model: nn.Module, mesh=None, *, sync_all: bool = True) -> dict[str, torch.Tensor] | None:
+    """Collective; call before ``fully_shard``. On the source rank (rank 0 of the mesh) returns
+    ``{name: tensor}`` aliasing its full parameters (no copy), ``{}`` on the other ranks; None in a
+    single process, and None when ``sync_all`` is False and no rank has meta tensors (then
+    :func:`fill_sharded_from_rank0` does nothing).
+
+    Args:
+        sync_all: True (the engine's choice): every rank's shards come from rank 0 even when all
+            ranks hold real weights, so ranks that built different weights (a LoRA made before
+            the Trainer seeds, per-process random seeds) start from one point, as DDP and
+            DeepSpeed do. False: fill only ranks that hold meta tensors.
 
     Raises:
         RuntimeError: the source rank itself has meta tensors (nothing to fill the others from).
@@ -343,7 +351,7 @@ def capture_full_state(model: nn.Module, mesh=None) -> dict[str, torch.Tensor] |
             "model with from_pretrained (inside hf_zero.engine.materialize.low_memory_loading() at most), "
             "not on the meta device"
         )
-    if not any_meta:
+    if not any_meta and not sync_all:
         return None
     if _group_rank(group) != _SOURCE:
         return {}
@@ -397,10 +405,10 @@ def fill_sharded_from_rank0(
 
 
 @contextlib.contextmanager
-def sharded_from_rank0(model: nn.Module, mesh=None, **fill_kwargs: Any) -> Iterator[None]:
+def sharded_from_rank0(model: nn.Module, mesh=None, *, sync_all: bool = True, **fill_kwargs: Any) -> Iterator[None]:
     """Wrap the ``fully_shard`` calls: captures rank 0's full parameters on entry and fills every
-    rank's shards on exit (see the module docstring). A no-op beyond one tiny all-reduce when no
-    rank holds meta tensors.
+    rank's shards on exit (see the module docstring). With ``sync_all=False``, a no-op beyond one
+    tiny all-reduce when no rank holds meta tensors.
 
     Example (what ``FullyShardedStage.wrap`` does)::
 
@@ -409,7 +417,7 @@ def sharded_from_rank0(model: nn.Module, mesh=None, **fill_kwargs: Any) -> Itera
                 fully_shard(block, mesh=mesh)
             fully_shard(model, mesh=mesh)
     """
-    full_state = capture_full_state(model, mesh)
+    full_state = capture_full_state(model, mesh, sync_all=sync_all)
     try:
         yield
     except BaseException:

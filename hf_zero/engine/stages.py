@@ -29,7 +29,9 @@ from hf_zero.config.schema import ZeroOptimizationConfig
 from hf_zero.distributed.env import DistEnv
 from hf_zero.engine.optimizer_recipe import OptimizerRecipe, constructor_defaults
 from hf_zero.engine.wrap_policy import find_wrap_units
+from hf_zero.precision.masters import MasterCast, cast_to_master_dtypes
 from hf_zero.precision.policy import PrecisionPolicy
+from hf_zero.utils.logging import get_logger
 
 if TYPE_CHECKING:
     from hf_zero.offload.manager import OffloadManager
@@ -37,6 +39,8 @@ if TYPE_CHECKING:
 __all__ = ["Stage", "ReplicatedStage", "FullyShardedStage", "make_stage", "local_tensor"]
 
 _BYTES_PER_MB = 1024 * 1024
+
+logger = get_logger()
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
@@ -101,6 +105,12 @@ class ReplicatedStage:
             )
 
         model.to(self.env.device)
+        if self.offload is None:
+            # fp32 masters for a 16-bit checkpoint; the forward runs under autocast. (With an
+            # offloaded optimizer the masters live on the host and the device keeps 16 bit.)
+            _log_cast(cast_to_master_dtypes(model, self.precision.compute_dtype, frozen_in_compute_dtype=False),
+                      self.env)
+        # DDP broadcasts rank 0's parameters and buffers at construction: one starting point.
         # DeepSpeed sizes buckets in elements; DDP in MB of fp32 gradients.
         bucket_mb = max(1, int(int(self.zero.reduce_bucket_size) * 4 / _BYTES_PER_MB))
         self.ddp = nn.parallel.DistributedDataParallel(
@@ -161,7 +171,8 @@ class FullyShardedStage:
     Stage 3 frees each block's gathered parameters after its forward (gathering them again for
     backward); stage 2 keeps them gathered from forward to backward, trading memory for one
     all-gather per step. Both keep fp32 parameter shards (the master copy), reduce-scatter
-    gradients into fp32 shards and shard the optimizer state with them.
+    gradients into fp32 shards and shard the optimizer state with them (frozen parameters are
+    stored in the compute dtype: ``precision/masters.py``).
     """
 
     def __init__(
@@ -194,12 +205,13 @@ class FullyShardedStage:
             reshard_after_forward=self.stage == 3,
             mp_policy=self.precision.fsdp_mp_policy(),
         )
-        _set_master_dtypes(model, self.precision)
+        _log_cast(cast_to_master_dtypes(model, self.precision.compute_dtype, frozen_in_compute_dtype=True), self.env)
         self.units = find_wrap_units(model)
         if self.offload is not None:
             kwargs.update(self.offload.prepare_fsdp(model, self.units))
-        # Ranks that loaded on the meta device (low-memory loading) receive their shards from rank 0.
-        with sharded_from_rank0(model, mesh):
+        # Every rank's shards come from rank 0: ranks that loaded on the meta device (low-memory
+        # loading) and ranks that built other weights (per-process seeds) start where rank 0 does.
+        with sharded_from_rank0(model, mesh, sync_all=True):
             for unit in self.units:
                 fully_shard(unit, **kwargs)
             fully_shard(model, **kwargs)
@@ -225,16 +237,10 @@ class FullyShardedStage:
         return optimizer
 
 
-def _set_master_dtypes(model: nn.Module, precision: PrecisionPolicy) -> None:
-    """Trainable parameters become fp32 (the master copy FSDP2 shards and the optimizer updates);
-    frozen ones (a LoRA base model) take the compute dtype, since they are never updated and a
-    fp32 copy would double their memory."""
-    frozen_dtype = precision.compute_dtype
-    for module in model.modules():
-        for name, param in list(module.named_parameters(recurse=False)):
-            dtype = torch.float32 if param.requires_grad else frozen_dtype
-            if param.dtype != dtype and param.is_floating_point():
-                param.data = param.data.to(dtype)
+def _log_cast(cast: MasterCast, env: DistEnv) -> None:
+    line = cast.describe()
+    if line and env.is_main:
+        logger.info("%s", line)
 
 
 def make_stage(

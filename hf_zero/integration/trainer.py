@@ -39,8 +39,9 @@ TRAINER_STATE_NAME = "trainer_state.json"
 class _EngineOptimizer:
     """What the Trainer loop calls ``self.optimizer``: the engine's update behind ``step()``."""
 
-    def __init__(self, engine):
+    def __init__(self, engine, scheduler: _EngineScheduler):
         self.engine = engine
+        self.scheduler = scheduler
 
     @property
     def param_groups(self):
@@ -56,6 +57,7 @@ class _EngineOptimizer:
 
     def step(self, closure=None):
         self.engine.optimizer_step()
+        self.scheduler.lagging = True
 
     def zero_grad(self, set_to_none: bool = True):
         self.engine.zero_grad()
@@ -73,15 +75,23 @@ class _EngineOptimizer:
 
 class _EngineScheduler:
     """What the loop calls ``self.lr_scheduler``: the engine steps the real one inside its update
-    (and not on an fp16 overflow), so ``step()`` here does nothing."""
+    (and not on an fp16 overflow), so ``step()`` here does nothing.
+
+    The loop reads ``get_last_lr()`` between ``optimizer.step()`` and ``lr_scheduler.step()`` to
+    log the rate the update used; the engine's scheduler has already moved on by then, so until
+    the loop's ``step()`` the view answers with the rates of the last update."""
 
     def __init__(self, engine):
         self.engine = engine
+        self.lagging = False  # the engine stepped the scheduler; the loop has not called step() yet
 
     def step(self, *args, **kwargs):
+        self.lagging = False
         return None
 
     def get_last_lr(self):
+        if self.lagging:
+            return self.engine.get_last_step_lr()
         if self.engine.lr_scheduler is not None:
             return self.engine.lr_scheduler.get_last_lr()
         return self.engine.get_lr()
@@ -175,8 +185,8 @@ class ZeroTrainerMixin:
                 "the model was sharded for evaluation before train(); build the ZeroTrainer anew to train it"
             )
         engine = self.zero_engine
-        self.optimizer = _EngineOptimizer(engine)
         self.lr_scheduler = _EngineScheduler(engine)
+        self.optimizer = _EngineOptimizer(engine, self.lr_scheduler)
         self._created_lr_scheduler = False
         model = engine.forward_module
         self.model_wrapped = model
