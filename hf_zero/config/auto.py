@@ -24,7 +24,7 @@ from collections import defaultdict
 from typing import Any, Mapping
 
 from hf_zero.config.errors import ZeroConfigError, show_value
-from hf_zero.config.parse import _number
+from hf_zero.config.converters import _number
 from hf_zero.config.schema import AUTO, ZeroConfig
 
 __all__ = ["AUTO_RULES", "hidden_size_of", "resolve_auto"]

@@ -15,7 +15,6 @@ loss scale; ``step`` is called every micro-step and only updates at accumulation
 from __future__ import annotations
 
 import contextlib
-import logging
 from collections.abc import Callable
 from typing import Any
 

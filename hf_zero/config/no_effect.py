@@ -1,0 +1,131 @@
+"""The no-effect table: DeepSpeed keys hf_zero accepts without acting on them, each with the reason.
+
+A key listed here is accepted (any value, unless :data:`hf_zero.config.refused.UNSUPPORTED`
+rejects the value); a section key (``flops_profiler``) accepts the whole sub-tree. Keys the user
+actually set end up in ``ZeroConfig.no_effect_keys`` and are reported once at start-up
+(:func:`describe_no_effect`). ``docs/config_reference.md`` lists every key here (a test checks).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from hf_zero.config.schema import ZeroConfig
+
+__all__ = ["NO_EFFECT_KEYS", "describe_no_effect"]
+
+NO_EFFECT_KEYS: dict[str, str] = {
+    # top level
+    "steps_per_print": "progress is logged by the Trainer (--logging_steps)",
+    "wall_clock_breakdown": "hf_zero has no DeepSpeed timers; use the Trainer's logs or torch.profiler",
+    "memory_breakdown": "hf_zero has no DeepSpeed memory logger; use torch.cuda.memory_summary()",
+    "dump_state": "hf_zero has no DeepSpeed state dump",
+    "zero_allow_untested_optimizer": "hf_zero accepts any torch optimizer the Trainer builds",
+    "zero_force_ds_cpu_optimizer": "there is no DeepSpeed CPU Adam; offloaded steps run torch optimizers on CPU",
+    "flops_profiler": "hf_zero has no DeepSpeed flops profiler; use torch.profiler",
+    "comms_logger": "hf_zero has no DeepSpeed comms logger; use TORCH_DISTRIBUTED_DEBUG=DETAIL or torch.profiler",
+    "autotuning": "hf_zero has no DeepSpeed autotuner",
+    "elasticity": "disabled elasticity changes nothing (enabled elasticity is rejected)",
+    "amp": "disabled Apex AMP changes nothing (enabled AMP is rejected)",
+    "data_types": "the gradient accumulation dtype follows hf_zero's precision policy",
+    "fp32_allreduce": "gradients are reduced in fp32 unless communication_data_type says otherwise",
+    "disable_allgather": "parameters are always all-gathered by torch's FSDP2",
+    "sparse_gradients": "gradients are reduced as dense tensors",
+    "vocabulary_size": "DeepSpeed only uses it for a tensor-core alignment warning",
+    "dataloader_drop_last": "the Trainer's --dataloader_drop_last controls this",
+    "nebula": "no Nebula service; checkpoints use torch.distributed.checkpoint",
+    "eigenvalue": "only used by DeepSpeed's MoQ quantizer",
+    "progressive_layer_drop": "disabled PLD changes nothing (enabled PLD is rejected)",
+    "curriculum_learning": "disabled curriculum learning changes nothing (enabled is rejected)",
+    "data_efficiency": "disabled data efficiency changes nothing (enabled is rejected)",
+    "quantize_training": "disabled MoQ changes nothing (enabled is rejected)",
+    "hybrid_engine": "disabled hybrid engine changes nothing (enabled is rejected)",
+    "compression_training": "an empty section changes nothing (compression settings are rejected)",
+    "weight_quantization": "an empty section changes nothing (quantized weights are rejected)",
+    "sparse_attention": "only applies to models built from DeepSpeed's SparseSelfAttention modules",
+    "pipeline": "hf_zero is data parallel only; pipeline settings apply to DeepSpeed's PipelineModule",
+    "tensor_parallel": "tensor parallel size 1 changes nothing (autotp_size > 1 is rejected)",
+    "sequence_parallel_size": "size 1 changes nothing (sequence parallelism is rejected)",
+    "seq_parallel_communication_data_type": "hf_zero has no sequence parallelism",
+    "compile": "use the Trainer's --torch_compile",
+    "torch_autocast": "disabled torch_autocast changes nothing (use bf16/fp16 sections to enable mixed precision)",
+    "timers": "hf_zero has no DeepSpeed throughput timers",
+    "comet": "use the Trainer's --report_to comet_ml",
+    "tensorboard": "use the Trainer's --report_to tensorboard",
+    "wandb": "use the Trainer's --report_to wandb",
+    "csv_monitor": "use the Trainer's --report_to (CSV logs are not written by hf_zero)",
+    "activation_checkpointing": "use the Trainer's --gradient_checkpointing",
+    # checkpoint
+    "checkpoint.tag_validation": "sharded checkpoints carry no DeepSpeed tag to validate",
+    "checkpoint.load_universal": "hf_zero checkpoints always reshard on load (any world size)",
+    "checkpoint.parallel_write": "applies to DeepSpeed's pipeline-parallel checkpoint writer",
+    # precision
+    "fp16.auto_cast": "floating-point inputs are always cast to the compute dtype",
+    "fp16.fp16_master_weights_and_grads": "false changes nothing (true is rejected: master weights stay fp32)",
+    "bf16.immediate_grad_update": "DeepSpeed bf16-optimizer detail; gradients are applied at the optimizer step",
+    "bf16.check_grad_overflow": "bf16 needs no overflow check (no loss scaling)",
+    "bf16.loss_scale": "bf16 uses no loss scaling",
+    "bf16.loss_scale_window": "bf16 uses no loss scaling",
+    "bf16.initial_scale_power": "bf16 uses no loss scaling",
+    "bf16.hysteresis": "bf16 uses no loss scaling",
+    "bf16.consecutive_hysteresis": "bf16 uses no loss scaling",
+    "bf16.min_loss_scale": "bf16 uses no loss scaling",
+    "bf16.auto_cast": "floating-point inputs are always cast to the compute dtype",
+    # optimizer / scheduler
+    "optimizer.legacy_fusion": "DeepSpeed fp16-optimizer detail",
+    "optimizer.params.torch_adam": "hf_zero always uses torch's Adam/AdamW",
+    "optimizer.params.set_grad_none": "gradients are always set to None by zero_grad",
+    "optimizer.params.eps_inside_sqrt": "false changes nothing (true is rejected)",
+    "scheduler.params.last_batch_iteration": "resuming restores the scheduler state from the checkpoint",
+    # aio (NVMe)
+    "aio.use_gds": "no GPUDirect Storage; NVMe swaps go through pinned host memory",
+    # zero_optimization
+    "zero_optimization.contiguous_gradients": "FSDP2 always reduces into contiguous buffers",
+    "zero_optimization.reduce_scatter": "stages 2/3 always reduce-scatter gradients",
+    "zero_optimization.allgather_partitions": "stages 2/3 always all-gather parameters",
+    "zero_optimization.round_robin_gradients": "DeepSpeed stage 1/2 CPU-offload copy detail",
+    "zero_optimization.load_from_fp32_weights": "fp32 master weights are always restored from checkpoints",
+    "zero_optimization.elastic_checkpoint": "checkpoints always reshard on load",
+    "zero_optimization.ignore_unused_parameters": "unused parameters are always tolerated",
+    "zero_optimization.legacy_stage1": "there is one stage-1 implementation",
+    "zero_optimization.zero_hpz_partition_size": "no ZeRO++ hierarchical partitioning; parameters shard across all ranks",
+    "zero_optimization.zero_quantized_weights": "false changes nothing (true is rejected)",
+    "zero_optimization.zero_quantized_nontrainable_weights": "false changes nothing (true is rejected)",
+    "zero_optimization.zero_quantized_gradients": "false changes nothing (true is rejected)",
+    "zero_optimization.zeropp_loco_param": "only used with ZeRO++ quantized gradients",
+    "zero_optimization.mics_shard_size": "no MiCS sub-group sharding; parameters shard across all ranks",
+    "zero_optimization.mics_hierarchical_params_gather": "no MiCS sub-group sharding",
+    "zero_optimization.memory_efficient_linear": "DeepSpeed stage-3 linear-layer patch; FSDP2 needs none",
+    "zero_optimization.pipeline_loading_checkpoint": "DeepSpeed pipeline-parallel loading detail",
+    "zero_optimization.override_module_apply": "DeepSpeed stage-3 nn.Module.apply patch; FSDP2 needs none",
+    "zero_optimization.use_multi_rank_bucket_allreduce": "DeepSpeed stage 1/2 bucketing detail",
+    "zero_optimization.stage3_model_persistence_threshold": "persistence is decided per parameter (param_persistence_threshold)",
+    "zero_optimization.model_persistence_threshold": "persistence is decided per parameter (param_persistence_threshold)",
+    "zero_optimization.stage3_module_granularity_threshold": "FSDP2 units are transformer blocks (_no_split_modules)",
+    "zero_optimization.module_granularity_threshold": "FSDP2 units are transformer blocks (_no_split_modules)",
+    "zero_optimization.stage3_use_all_reduce_for_fetch_params": "parameters are fetched with FSDP2's all-gather",
+    "zero_optimization.use_all_reduce_for_fetch_params": "parameters are fetched with FSDP2's all-gather",
+    "zero_optimization.log_trace_cache_warnings": "hf_zero has no DeepSpeed stage-3 trace cache",
+    "zero_optimization.offload_optimizer.fast_init": "DeepSpeed NVMe init detail",
+    "zero_optimization.offload_param.buffer_size": "NVMe parameter swaps move whole FSDP units; buffer_count sets the read-ahead depth",
+    "zero_optimization.offload_optimizer.pipeline_read": "the NVMe swapper always reads ahead",
+    "zero_optimization.offload_optimizer.pipeline_write": "the NVMe swapper always writes behind",
+    "zero_optimization.offload_optimizer.pipeline": "the NVMe swapper always reads ahead and writes behind",
+}
+
+
+def describe_no_effect(cfg: ZeroConfig) -> list[str]:
+    """One line per accepted key that changes nothing in hf_zero, for the engine to log once.
+
+    Args:
+        cfg: A parsed config.
+
+    Returns:
+        Lines such as ``"zero_optimization.round_robin_gradients: no effect in hf_zero (DeepSpeed
+        stage 1/2 CPU-offload copy detail)"``, in the order the keys appeared.
+    """
+    return [
+        f"{key}: no effect in hf_zero ({NO_EFFECT_KEYS.get(key, 'accepted for compatibility')})"
+        for key in cfg.no_effect_keys
+    ]
