@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from collections import defaultdict
 from typing import Any, Mapping
 
@@ -49,6 +50,9 @@ AUTO_RULES: dict[str, tuple[str, str]] = {
     "zero_optimization.reduce_bucket_size": ("zero_optimization.reduce_bucket_size", "hidden_size^2"),
     "zero_optimization.stage3_prefetch_bucket_size": (
         "zero_optimization.prefetch_bucket_size", "int(0.9 x hidden_size^2)"),
+    "zero_optimization.stage3_gather_16bit_weights_on_model_save": (
+        "zero_optimization.gather_16bit_weights_on_model_save",
+        "ACCELERATE_DEEPSPEED_ZERO3_SAVE_16BIT_MODEL (set by accelerate launch), else true"),
     "zero_optimization.stage3_param_persistence_threshold": (
         "zero_optimization.param_persistence_threshold", "10 x hidden_size"),
 }
@@ -267,6 +271,7 @@ def resolve_auto(
                        f"--warmup_steps (for {num_training_steps} training steps)={warmup}")
 
     _resolve_hidden_size(r, model_config)
+    _resolve_save_16bit(r)
     if batch_ok:
         _derive_batch(r, ws)
 
@@ -278,6 +283,17 @@ def resolve_auto(
     if r.problems:
         raise ZeroConfigError(r.problems)
     return r.apply()
+
+
+def _resolve_save_16bit(r: _Resolver) -> None:
+    """accelerate fills ``stage3_gather_16bit_weights_on_model_save: "auto"`` from its
+    ``zero3_save_16bit_model`` (the environment variable its launcher sets); without it, hf_zero's
+    default (true: a ZeRO-3 ``save_model`` writes loadable weights)."""
+    path = "zero_optimization.gather_16bit_weights_on_model_save"
+    if not _is_auto(r.get(path)):
+        return
+    env = os.environ.get("ACCELERATE_DEEPSPEED_ZERO3_SAVE_16BIT_MODEL")
+    r.fill(path, True if env is None else env.strip().lower() == "true", "", must_match=False)
 
 
 def _resolve_hidden_size(r: _Resolver, model_config: Any) -> None:

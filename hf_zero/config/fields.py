@@ -105,7 +105,7 @@ _ZERO: Fields = {
     "stage3_param_persistence_threshold": ("param_persistence_threshold", _int(0, auto=True)),
     "stage3_max_live_parameters": ("max_live_parameters", _int(0)),
     "stage3_max_reuse_distance": ("max_reuse_distance", _int(0)),
-    "stage3_gather_16bit_weights_on_model_save": ("gather_16bit_weights_on_model_save", _bool()),
+    "stage3_gather_16bit_weights_on_model_save": ("gather_16bit_weights_on_model_save", _bool(auto=True)),
 }
 # DeepSpeed's pydantic model has populate_by_name=True, so the field names work as well as the
 # stage3_* aliases; stage3_gather_fp16_* is the deprecated name (zero/config.py).

@@ -101,8 +101,10 @@ class _Parser:
         if close:
             hint = f'did you mean "{parent}{close[0]}"?'
         else:
-            known = ", ".join(sorted(candidates)[:12]) + (", ..." if len(candidates) > 12 else "")
-            hint = f"keys known here: {known}"
+            known = sorted(set(candidates))
+            section = dotted[: -len(key) - 1] or "the top level"
+            hint = (f"keys known here: {', '.join(known)}" if len(known) <= 12
+                    else f"docs/config_reference.md lists the keys of {section}")
         shown = show_value(value)
         shown = shown if len(shown) <= 40 else shown[:37] + "..."
         message = (f'{self.source_of(dotted)}: unknown key "{dotted}" (value {shown}); {hint} '
@@ -189,6 +191,7 @@ class _Parser:
                 else:
                     raw[new] = raw[old]
                 raw = {k: v for k, v in raw.items() if k != old}
+        raw = self.drop_unknown_top_level(raw)
         top = self.section("", raw, _TOP, field_prefix="", skip=_TOP_SECTIONS)
 
         zero = self.zero_section(raw.get("zero_optimization"))
@@ -232,6 +235,25 @@ class _Parser:
             no_effect_keys=tuple(self.no_effect),
             explicit_keys=tuple(sorted(self.explicit)),
         )
+
+    def drop_unknown_top_level(self, raw: dict[str, Any]) -> dict[str, Any]:
+        """DeepSpeed ignores top-level keys it does not know (real configs carry ``"_comment"``,
+        ``"log"``, ``"comms_config"``); so does hf_zero, with one warning naming them all."""
+        known = set(_TOP) | set(_TOP_SECTIONS) | set(_TOP_ALIASES)
+        unknown = [k for k in raw if k not in known and k not in NO_EFFECT_KEYS and k not in UNSUPPORTED]
+        if not unknown:
+            return raw
+        candidates = sorted(known | {k for k in [*NO_EFFECT_KEYS, *UNSUPPORTED] if "." not in k})
+        named = []
+        for key in unknown:
+            # "_comment"-style keys are comments, not typos.
+            close = [] if str(key).startswith("_") else difflib.get_close_matches(str(key), candidates, n=1, cutoff=0.75)
+            named.append(f'"{key}"' + (f' (did you mean "{close[0]}"?)' if close else ""))
+        warnings.warn(
+            f"{self.source}: ignoring top-level key{'s' if len(unknown) > 1 else ''} hf_zero does not know, as "
+            f"DeepSpeed does: {', '.join(named)}", ZeroConfigWarning, stacklevel=4,
+        )
+        return {k: v for k, v in raw.items() if k not in unknown}
 
     def zero_section(self, raw: Any) -> S.ZeroOptimizationConfig:
         if isinstance(raw, bool):

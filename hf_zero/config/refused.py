@@ -7,28 +7,54 @@ no-effect table (:mod:`hf_zero.config.no_effect`); the parser checks this table 
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from typing import Any, Callable
 
 __all__ = ["UNSUPPORTED", "UNSUPPORTED_OPTIMIZERS"]
 
+def _when(text: str):
+    """Attach the docs' "rejected when" text to a predicate."""
+
+    def attach(predicate: Callable[[Any], bool]) -> Callable[[Any], bool]:
+        predicate.when = text  # type: ignore[attr-defined]
+        return predicate
+
+    return attach
+
+
+@_when('`"enabled": true`')
 def _enabled(value: Any) -> bool:
     return isinstance(value, Mapping) and value.get("enabled") is True
 
 
+@_when("`true`")
 def _true(value: Any) -> bool:
     return value is True
 
 
+@_when("present and not empty")
 def _nonempty(value: Any) -> bool:
     return bool(value)
 
 
+@_when("always")
 def _always(value: Any) -> bool:
     return True
 
 
+def _not(expected: Any) -> Callable[[Any], bool]:
+    @_when(f"other than `{json.dumps(expected)}`")
+    def check(value: Any) -> bool:
+        if isinstance(expected, str) and isinstance(value, str):
+            return value.lower() != expected
+        return value != expected
+
+    return check
+
+
 def _gt1(field: str | None = None) -> Callable[[Any], bool]:
+    @_when(f"`{field}` > 1" if field else "greater than 1")
     def check(value: Any) -> bool:
         v = value.get(field) if (field and isinstance(value, Mapping)) else value
         try:
@@ -55,6 +81,12 @@ UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "weight_quantization": (_nonempty, "quantized weights are not implemented; remove weight_quantization"),
     "tensor_parallel": (_gt1("autotp_size"), "hf_zero is data parallel only; remove tensor_parallel (or set autotp_size to 1)"),
     "sequence_parallel_size": (_gt1(), "hf_zero is data parallel only; set sequence_parallel_size to 1"),
+    "bf16.bf16_master_weights_and_grads": (_true, "hf_zero keeps fp32 master weights and gradients (updates below a bf16 ulp would be lost); set it to false or remove it"),
+    "bf16.bf16_optimizer_states": (_true, "hf_zero keeps optimizer states in fp32; set it to false or remove it"),
+    "expert_parallel": (_enabled, "hf_zero is data parallel only (MoE experts shard like other parameters); remove expert_parallel"),
+    "gradient_allreduce_op": (_not("mean"), 'hf_zero averages gradients over ranks; set "gradient_allreduce_op": "mean" or remove it (for a sum, scale the loss)'),
+    "managed_gradient_accumulation": (_not(True), "hf_zero's step() updates at accumulation boundaries; remove it and call engine.set_gradient_accumulation_boundary(True) before step() to update every call"),
+    "zero_optimization.zenflow": (_nonempty, "ZenFlow updates with delayed gradients, which hf_zero does not implement; remove zenflow"),
     "fp16.fp16_master_weights_and_grads": (_true, "hf_zero keeps fp32 master weights; set it to false or remove it"),
     "optimizer.params.max_grad_norm": (_always, 'gradient clipping is a top-level setting: use "gradient_clipping" instead (DeepSpeed rejects it here too)'),
     "optimizer.params.eps_inside_sqrt": (_true, "the Lamb eps-inside-sqrt variant is not implemented; remove it"),

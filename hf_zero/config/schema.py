@@ -99,9 +99,11 @@ class ZeroOptimizationConfig:
     """``stage3_max_live_parameters``."""
     max_reuse_distance: int = 1_000_000_000
     """``stage3_max_reuse_distance``."""
-    gather_16bit_weights_on_model_save: bool = True
+    gather_16bit_weights_on_model_save: bool | Auto = True
     """``stage3_gather_16bit_weights_on_model_save`` (old name ``stage3_gather_fp16_weights_on_model_save``).
-    hf_zero defaults it to true (DeepSpeed: false) because an empty ZeRO-3 save is the common pain."""
+    hf_zero defaults it to true (DeepSpeed: false) because an empty ZeRO-3 save is the common pain.
+    ``"auto"`` (accelerate's ZeRO-3 templates) = ``ACCELERATE_DEEPSPEED_ZERO3_SAVE_16BIT_MODEL`` when
+    ``accelerate launch`` set it, else true."""
 
 
 @dataclass(**_frozen)

@@ -417,8 +417,11 @@ class ZeroEngine:
         except ImportError:  # pragma: no cover - config layer always ships it
             return
         # Settings the user wrote that change nothing here: said once, at start-up, on rank 0.
-        for line in describe_no_effect(self.config):
-            logger.warning("%s", line)
+        lines = describe_no_effect(self.config)
+        if lines:
+            logger.warning("%d setting%s in %s change%s nothing in hf_zero:\n  %s", len(lines),
+                           "s" if len(lines) > 1 else "", self.config.source, "" if len(lines) > 1 else "s",
+                           "\n  ".join(lines))
 
 
 def _check_supported(config: ZeroConfig) -> None:

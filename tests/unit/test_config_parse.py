@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import warnings
+
 import pytest
 
 from hf_zero.config import AUTO, ZeroConfigError, ZeroConfigWarning, describe_no_effect, load_config
@@ -377,9 +379,26 @@ def test_unknown_key_names_key_file_and_closest(tmp_path: Path) -> None:
     assert 'did you mean "zero_optimization.overlap_comm"' in message
 
 
-def test_unknown_top_level_key() -> None:
-    message = _error({"gradient_clip": 1.0})
-    assert 'unknown key "gradient_clip"' in message and 'did you mean "gradient_clipping"' in message
+def test_unknown_top_level_keys_warn_once_as_deepspeed_ignores_them() -> None:
+    raw = {"gradient_clip": 1.0, "_comment": "from a public repo", "log": {"level": "info"},
+           "comms_config": {}, "monitor_config": {}, "cuda_visible_devices": "0,1",
+           "zero_optimization": {"stage": 2}}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cfg = parse_config(raw)
+    mine = [w for w in caught if issubclass(w.category, ZeroConfigWarning)]
+    assert len(mine) == 1  # one warning naming them all
+    message = str(mine[0].message)
+    for key in ("gradient_clip", "_comment", "log", "comms_config", "monitor_config", "cuda_visible_devices"):
+        assert f'"{key}"' in message, key
+    assert '"gradient_clip" (did you mean "gradient_clipping"?)' in message
+    assert '"_comment" (did you mean' not in message  # a comment is not a typo
+    assert cfg.stage == 2 and cfg.gradient_clipping == 0.0
+
+
+def test_unknown_key_inside_a_section_stays_an_error() -> None:
+    message = _error({"zero_optimization": {"stage": 2, "overlap_com": True}})
+    assert 'unknown key "zero_optimization.overlap_com"' in message and 'did you mean "zero_optimization.overlap_comm"' in message
 
 
 def test_non_strict_turns_unknown_keys_into_warnings() -> None:
@@ -451,7 +470,7 @@ def test_section_that_is_not_an_object() -> None:
 
 def test_all_problems_are_collected_in_one_error() -> None:
     with pytest.raises(ZeroConfigError) as info:
-        parse_config({"zero_optimization": {"stage": "two", "overlap_comm": "yes"}, "gradient_clip": 1})
+        parse_config({"zero_optimization": {"stage": "two", "overlap_comm": "yes"}, "fp16": {"enabled": "on"}})
     assert len(info.value.problems) == 3
     assert str(info.value).startswith("3 problems")
 

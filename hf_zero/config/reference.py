@@ -1,0 +1,43 @@
+"""The tables of ``docs/config_reference.md`` that come straight from hf_zero's key tables.
+
+``python scripts/gen_config_reference.py`` rewrites the marked blocks of the page; a test checks the
+page against :func:`render_blocks`, so the docs cannot drift from what the parser does.
+"""
+
+from __future__ import annotations
+
+import re
+
+from hf_zero.config.no_effect import NO_EFFECT_KEYS
+from hf_zero.config.refused import UNSUPPORTED
+
+__all__ = ["render_blocks", "update_page"]
+
+_BLOCK = re.compile(r"(<!-- generated: (\w+) -->\n)(.*?)(<!-- end generated -->)", re.S)
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|")
+
+
+def render_blocks() -> dict[str, str]:
+    """``{block name: markdown}`` for the ``no_effect`` and ``refused`` tables."""
+    no_effect = ["| key | why it changes nothing |", "| --- | --- |"]
+    no_effect += [f"| `{key}` | {_cell(why)} |" for key, why in NO_EFFECT_KEYS.items()]
+    refused = ["| key | rejected when | what to do |", "| --- | --- | --- |"]
+    for key, (predicate, fix) in UNSUPPORTED.items():
+        refused.append(f"| `{key}` | {getattr(predicate, 'when', 'see the code')} | {_cell(fix)} |")
+    return {"no_effect": "\n".join(no_effect) + "\n", "refused": "\n".join(refused) + "\n"}
+
+
+def update_page(text: str) -> str:
+    """``text`` with every ``<!-- generated: NAME -->`` block replaced by :func:`render_blocks`."""
+    blocks = render_blocks()
+
+    def replace(match: re.Match) -> str:
+        name = match.group(2)
+        if name not in blocks:
+            raise KeyError(f"docs block {name!r} has no generator (known: {', '.join(blocks)})")
+        return match.group(1) + blocks[name] + match.group(4)
+
+    return _BLOCK.sub(replace, text)
