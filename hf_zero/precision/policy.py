@@ -7,6 +7,9 @@ Two ways of computing in 16 bit, one per sharding family, both with fp32 master 
 - stages 2/3 (FSDP2) keep fp32 *sharded* parameters (the master copy) and let FSDP2's
   ``MixedPrecisionPolicy`` all-gather them cast to the 16-bit dtype; gradients are reduce-scattered
   in ``reduce_dtype`` into fp32 shards.
+
+Which parameters become fp32 masters (trainable ones, also from a 16-bit checkpoint) and which keep
+their dtype (frozen ones) is decided in ``precision/masters.py``.
 """
 
 from __future__ import annotations

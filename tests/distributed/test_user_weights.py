@@ -60,7 +60,7 @@ def _reference(model, lr: float, stage: int, compute: torch.dtype) -> dict:
         torch.nn.utils.clip_grad_norm_(trainable, 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        losses.append(float(out.loss))
+        losses.append(float(out.loss.detach()))
     return {"losses": losses, "final": {k: v.detach().float().clone() for k, v in model.state_dict().items()}}
 
 
