@@ -53,13 +53,7 @@ def fsdp_cpu_offload_policy(cfg: OffloadParamConfig):
 
 
 def _sharded_params(model: nn.Module) -> list[nn.Parameter]:
-    seen: set[int] = set()
-    out = []
-    for p in model.parameters():
-        if id(p) not in seen:
-            seen.add(id(p))
-            out.append(p)
-    return out
+    return list(model.parameters())  # tied weights are listed once already
 
 
 class CpuParamOffload:

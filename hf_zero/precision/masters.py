@@ -54,16 +54,6 @@ class MasterCast:
         return "; ".join(parts) or None
 
 
-def _unique_params(model: nn.Module) -> list[nn.Parameter]:
-    seen: set[int] = set()
-    out = []
-    for p in model.parameters():
-        if id(p) not in seen:
-            seen.add(id(p))
-            out.append(p)
-    return out
-
-
 def cast_to_master_dtypes(
     model: nn.Module, compute_dtype: torch.dtype, *, frozen_in_compute_dtype: bool
 ) -> MasterCast:
@@ -88,7 +78,8 @@ def cast_to_master_dtypes(
         >>> {p.dtype for p in model.parameters()}
         {torch.float32}
     """
-    params = [p for p in _unique_params(model) if p.is_floating_point()]
+    # parameters() lists a tied weight once.
+    params = [p for p in model.parameters() if p.is_floating_point()]
     compute_is_half = compute_dtype in _HALF
     # fp32 compute of a 16-bit model: no autocast would reconcile fp32 masters with 16-bit frozen
     # neighbours in the same matmul, so the whole model computes in fp32.

@@ -19,6 +19,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 from _cases import Case  # noqa: E402
 from _models import make_data, tiny_model  # noqa: E402
+from _worker_io import save_results_and_exit  # noqa: E402
 
 
 def run_case(case: Case) -> dict:
@@ -79,13 +80,7 @@ def main() -> None:
     results = {}
     for case in cases:
         results[case.name] = run_case(case)
-    if dist.get_rank() == 0:
-        torch.save(results, out_path + ".tmp")
-        os.replace(out_path + ".tmp", out_path)
-    dist.barrier()
-    from hf_zero.distributed.env import exit_cleanly
-
-    exit_cleanly(0)
+    save_results_and_exit(results, out_path)
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(__file__))
 
 from _models import make_data, tiny_model  # noqa: E402
+from _worker_io import save_results_and_exit  # noqa: E402
 
 STEPS, MICRO, SEQ = 3, 2, 16
 LORA_TARGETS = ["q_proj", "v_proj"]
@@ -104,13 +105,7 @@ def main() -> None:
         results[f"seeds-s{stage}"] = train(tiny_model("llama", seed=rank), zero_config(stage, 5e-3, bf16=False))
         results[f"bf16ckpt-s{stage}"] = train(load_bf16(workdir), zero_config(stage, 1e-6, bf16=True))
         results[f"lora-s{stage}"] = train(lora_on_bf16(workdir, seed=100 + rank), zero_config(stage, 5e-3, bf16=False))
-    if rank == 0:
-        torch.save(results, out_path + ".tmp")
-        os.replace(out_path + ".tmp", out_path)
-    dist.barrier()
-    from hf_zero.distributed.env import exit_cleanly
-
-    exit_cleanly(0)
+    save_results_and_exit(results, out_path)
 
 
 if __name__ == "__main__":
