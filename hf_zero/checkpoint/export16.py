@@ -36,6 +36,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from hf_zero.distributed.collectives import on_mesh_device
+
 __all__ = [
     "save_16bit_model",
     "gather_full_state_dict",
@@ -147,7 +149,7 @@ def _gather_one(value: torch.Tensor, dtype: torch.dtype | None, keep: bool) -> t
         if cast:
             # Cast the shard before gathering: identical result, and 16-bit all-gathers move half the bytes.
             value = value.to(dtype)
-        full = value.full_tensor()
+        full = on_mesh_device(value).full_tensor()
     else:
         local = value
         full = value.to(dtype) if cast else value

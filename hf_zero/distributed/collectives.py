@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-__all__ = ["all_reduce_flag", "all_reduce_max_float", "broadcast_object"]
+__all__ = ["all_reduce_flag", "all_reduce_max_float", "broadcast_object", "on_mesh_device"]
 
 
 def all_reduce_flag(flag: bool | torch.Tensor, device: torch.device) -> bool:
@@ -31,3 +31,23 @@ def broadcast_object(obj, src: int = 0):
     box = [obj]
     dist.broadcast_object_list(box, src=src)
     return box[0]
+
+
+def on_mesh_device(value):
+    """``value`` (a DTensor) with its local shard on its mesh's device type, ready for a collective.
+
+    Offloaded shards (FSDP2's ``CPUOffloadPolicy``) live in host memory while the mesh is CUDA; an
+    NCCL-only group refuses them ("No backend type associated with device type cpu"). torch's own
+    ``_gather_state_dict`` moves them the same way. Placements, ``Partial`` included, are kept, so
+    ``on_mesh_device(norm).full_tensor()`` reduces a partial norm on the accelerator.
+
+    >>> on_mesh_device(grad_norm).full_tensor()  # doctest: +SKIP
+    """
+    from torch.distributed.tensor import DTensor
+
+    mesh_type = value.device_mesh.device_type
+    if value.device.type == mesh_type:
+        return value
+    local = value.to_local().to(mesh_type)
+    return DTensor.from_local(local, value.device_mesh, value.placements, run_check=False,
+                              shape=value.shape, stride=value.stride())

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from hf_zero.config.schema import ZeroConfig
-from hf_zero.distributed.collectives import all_reduce_flag
+from hf_zero.distributed.collectives import all_reduce_flag, on_mesh_device
 from hf_zero.distributed.env import DistEnv
 from hf_zero.engine.optimizer_recipe import OptimizerRecipe
 from hf_zero.engine.stages import Stage, local_tensor, make_stage
@@ -361,8 +361,9 @@ class ZeroEngine:
             return torch.tensor(0.0)
         norm = torch.nn.utils.get_total_norm(grads, norm_type=norm_type, foreach=True)
         if hasattr(norm, "full_tensor"):
-            # Sharded gradients give a partial norm per rank; full_tensor() reduces it over ranks.
-            norm = norm.full_tensor()
+            # Sharded gradients give a partial norm per rank; full_tensor() reduces it over ranks
+            # (on the accelerator, where offloaded parameters keep their gradients in host memory).
+            norm = on_mesh_device(norm).full_tensor().to(grads[0].device)
         return norm
 
     @property

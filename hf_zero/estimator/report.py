@@ -74,7 +74,7 @@ def zero_config_for(
         zero["offload_param"] = {
             "device": "nvme",
             "nvme_path": nvme_path,
-            "pin_memory": True,
+            "pin_memory": False,  # swapped shards are freed by resizing, which pinned storage refuses
             "buffer_count": 5,
             "buffer_size": max(PARAM_NVME_BUFFER_SIZE, largest_tensor or 0),
         }

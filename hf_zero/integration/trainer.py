@@ -226,8 +226,10 @@ class ZeroTrainerMixin:
         del inputs
         if self.args.n_gpu > 1:
             loss = loss.mean()
-        if self.loss_is_scaled_for_ga is not None:
-            scaled_for_ga = self.loss_is_scaled_for_ga
+        # ``loss_is_scaled_for_ga`` is newer than transformers 5.17; before it, the rule below was the only one.
+        declared = getattr(self, "loss_is_scaled_for_ga", None)
+        if declared is not None:
+            scaled_for_ga = declared
         else:
             scaled_for_ga = (self.model_accepts_loss_kwargs and num_items_in_batch is not None) or (
                 self.compute_loss_func is not None

@@ -46,10 +46,20 @@ _SETTING = "zero_optimization.offload_param"
 
 
 def fsdp_cpu_offload_policy(cfg: OffloadParamConfig):
-    """FSDP2's ``CPUOffloadPolicy``; pinned host memory only when asked for and a GPU is present."""
+    """FSDP2's ``CPUOffloadPolicy``; pinned host memory only when asked for and a GPU is present.
+
+    With ``device = "nvme"`` the host shards stay pageable whatever ``pin_memory`` says: the
+    swapper frees a shard by resizing its storage to zero, and pinned storage (``pin_memory()``)
+    cannot be resized ("Trying to resize storage that is not resizable", seen on an H100).
+    """
     from torch.distributed.fsdp import CPUOffloadPolicy
 
-    return CPUOffloadPolicy(pin_memory=bool(cfg.pin_memory) and torch.cuda.is_available())
+    pin = bool(cfg.pin_memory) and torch.cuda.is_available()
+    if pin and cfg.device == "nvme":
+        logger.info("hf_zero: %s.pin_memory is not applied to NVMe-swapped parameter shards "
+                    "(their host storage is freed and re-made on every swap)", _SETTING)
+        pin = False
+    return CPUOffloadPolicy(pin_memory=pin)
 
 
 def _sharded_params(model: nn.Module) -> list[nn.Parameter]:
