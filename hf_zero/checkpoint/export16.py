@@ -168,6 +168,8 @@ def gather_full_state_dict(
 
     Every rank must call it (stages 2/3 gather with collectives). Works on an FSDP2 model, a plain
     or DDP-wrapped module (stages 0/1), or a ``ZeroEngine``. Tied keys share one tensor object.
+    Given the engine, NVMe-swapped parameter shards are read back for the gather; given the bare
+    module of an ``offload_param: nvme`` run, hold ``engine.params_resident()`` around the call.
 
     Args:
         model: the model, its DDP wrapper, or the engine.
@@ -178,6 +180,10 @@ def gather_full_state_dict(
     Returns:
         On rank 0, ``{key: cpu tensor}`` in state-dict order; on other ranks ``{}``.
     """
+    resident = getattr(model, "params_resident", None)  # a ZeroEngine: NVMe-swapped shards back first
+    if callable(resident) and not isinstance(model, nn.Module):
+        with resident():
+            return gather_full_state_dict(unwrap_model(model), dtype, state_dict_filter=state_dict_filter)
     module = unwrap_model(model)
     dtype = resolve_dtype(dtype)
     state = module.state_dict(keep_vars=True)

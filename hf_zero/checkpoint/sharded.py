@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from hf_zero.distributed import device as accel
 from hf_zero.checkpoint.export16 import (
     save_model_config,
     peft_adapter_key_map,
@@ -192,8 +193,9 @@ def _rng_state() -> dict[str, Any]:
                   "has_gauss": int(has_gauss), "cached_gaussian": float(cached)},
         "cpu": torch.get_rng_state(),
     }
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state()
+    accel_state = accel.get_rng_state()
+    if accel_state is not None:
+        state["cuda"] = accel_state
     return state
 
 
@@ -204,8 +206,8 @@ def _set_rng_state(state: dict[str, Any]) -> None:
     n = state["numpy"]
     np.random.set_state((n["kind"], n["keys"].numpy().astype("uint32"), n["pos"], n["has_gauss"], n["cached_gaussian"]))
     torch.set_rng_state(state["cpu"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
+    if "cuda" in state:
+        accel.set_rng_state(state["cuda"])
 
 
 # ----------------------------------------------------------------------------------------------- marker

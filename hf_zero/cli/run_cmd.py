@@ -29,12 +29,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _gpus() -> tuple[list[str], bool]:
-    import torch
+    from hf_zero.distributed import device as accel
 
-    if not torch.cuda.is_available():
+    if not accel.accelerator_available():
         return [], True
-    names = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
-    p2p = all(torch.cuda.can_device_access_peer(0, j) for j in range(1, len(names)))
+    names = [accel.device_name(i) for i in range(accel.device_count())]
+    p2p = all(accel.can_access_peer(i, j) for i in range(len(names)) for j in range(len(names)) if i != j)
     return names, p2p
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-__all__ = ["all_reduce_flag", "all_reduce_max_float", "broadcast_object", "on_mesh_device"]
+__all__ = ["all_reduce_flag", "all_reduce_max_float", "broadcast_object", "collective_device", "on_mesh_device"]
 
 
 def all_reduce_flag(flag: bool | torch.Tensor, device: torch.device) -> bool:
@@ -22,6 +22,17 @@ def all_reduce_max_float(value: float, device: torch.device) -> float:
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return float(t.item())
+
+
+def collective_device(group=None) -> torch.device:
+    """Where a small tensor for a collective on ``group`` must live: the current accelerator when
+    the group has no CPU backend (NCCL alone), host memory otherwise (gloo, "cpu:gloo,cuda:nccl")."""
+    from hf_zero.distributed import device
+
+    backend = str(dist.get_backend(group)) if dist.is_initialized() else "gloo"
+    if "gloo" in backend or "cpu" in backend or not device.accelerator_available():
+        return torch.device("cpu")
+    return device.current_device()
 
 
 def broadcast_object(obj, src: int = 0):

@@ -16,6 +16,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from hf_zero.distributed import device as accel
+
 __all__ = ["DistEnv", "init_distributed", "launched_by_torchrun", "exit_cleanly"]
 
 
@@ -40,10 +42,7 @@ def launched_by_torchrun() -> bool:
 
 
 def _pick_device(local_rank: int) -> torch.device:
-    if torch.cuda.is_available():
-        torch.cuda.set_device(local_rank % torch.cuda.device_count())
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+    return accel.select_device(local_rank)
 
 
 def _destroy_if_initialized() -> None:
@@ -64,11 +63,11 @@ def init_distributed(timeout_s: float = 1800.0) -> DistEnv:
     """
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if not dist.is_initialized():
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        device = _pick_device(local_rank)
+        backend = accel.default_backend()
+        rank_device = _pick_device(local_rank)
         timeout = timedelta(seconds=timeout_s)
         if launched_by_torchrun():
-            kwargs = {"device_id": device} if device.type == "cuda" else {}
+            kwargs = {"device_id": rank_device} if accel.is_accelerator(rank_device) else {}
             dist.init_process_group(backend=backend, timeout=timeout, **kwargs)
         else:
             # One process: an in-memory store needs no address, no port and no firewall.
@@ -82,12 +81,12 @@ def init_distributed(timeout_s: float = 1800.0) -> DistEnv:
         # Someone else (accelerate, the user) made the group; it may be a multi-backend group
         # ("cpu:gloo,cuda:nccl", reported as "undefined"), so the device follows CUDA availability.
         backend = str(dist.get_backend())
-        device = torch.device("cpu") if backend == "gloo" else _pick_device(local_rank)
+        rank_device = torch.device("cpu") if backend == "gloo" else _pick_device(local_rank)
     return DistEnv(
         rank=dist.get_rank(),
         world_size=dist.get_world_size(),
         local_rank=local_rank,
-        device=device,
+        device=rank_device,
         backend=backend,
     )
 

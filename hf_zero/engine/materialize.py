@@ -50,6 +50,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from hf_zero.distributed import device as accel
+
 __all__ = [
     "low_memory_loading",
     "install_low_memory_loading",
@@ -289,7 +291,7 @@ def _group_and_device(mesh) -> tuple[Any, torch.device]:
     """The process group (None: the default one) and the device collectives run on."""
     if mesh is None:
         if dist.get_backend() == "nccl":
-            return None, torch.device("cuda", torch.cuda.current_device())
+            return None, accel.current_device()
         return None, torch.device("cpu")
     if mesh.ndim != 1:
         raise ValueError(f"hf_zero fills shards on a 1-D mesh, got a {mesh.ndim}-D one")

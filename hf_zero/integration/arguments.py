@@ -42,9 +42,9 @@ class ZeroArgumentsMixin:
             self.zero_config = deepspeed
             self.deepspeed = None
         if self.zero_config is not None and not self.use_cpu:
-            import torch
+            from hf_zero.distributed import device as accel
 
-            if not torch.cuda.is_available():
+            if not accel.accelerator_available():
                 # transformers only sets up multi-process CPU training (gloo, sharded batches) and
                 # accepts bf16 on CPU with use_cpu; without it every rank would train alone.
                 self.use_cpu = True

@@ -22,6 +22,9 @@ from typing import Protocol, runtime_checkable
 import torch
 import torch.distributed as dist
 
+from hf_zero.distributed import device as accel
+from hf_zero.distributed.collectives import collective_device
+
 __all__ = [
     "KINDS",
     "TIERS",
@@ -111,7 +114,7 @@ class GradientOwner(Protocol):
 
 
 def _pin_available() -> bool:
-    return torch.cuda.is_available()
+    return accel.pin_available()
 
 
 def alloc_host(
@@ -169,7 +172,9 @@ def format_bytes(n: int) -> str:
 
 def _allocate(nbytes_: int, pin: bool) -> torch.Tensor:
     """Raw byte allocation; a function of its own so tests can simulate a pinning failure."""
-    return torch.zeros(nbytes_, dtype=torch.uint8, pin_memory=pin)
+    if not pin:
+        return torch.zeros(nbytes_, dtype=torch.uint8)
+    return accel.pinned_empty(nbytes_).zero_()
 
 
 def _world() -> int:
@@ -189,9 +194,7 @@ def agree_on_error(error: BaseException | None, what: str, *, group: dist.Proces
         if error is not None:
             raise error
         return
-    backend = dist.get_backend(group)
-    device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
-    flag = torch.tensor([0.0 if error is None else 1.0], device=device)
+    flag = torch.tensor([0.0 if error is None else 1.0], device=collective_device(group))
     dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
     if float(flag.item()) == 0.0:
         return

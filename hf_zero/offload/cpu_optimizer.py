@@ -43,6 +43,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from hf_zero.distributed import device as accel
 from hf_zero.config.schema import AioConfig
 from hf_zero.offload.base import (
     OffloadError,
@@ -246,8 +247,10 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         self._space = None
         self._pool = None
         self._prefetched: dict[int, tuple[torch.Tensor, Any]] = {}
+        # Device->host gradient copies in flight (F2: every read of host gradients waits first).
+        self._grad_copies = accel.PendingCopies()
         if copy_back_thread is None:
-            copy_back_thread = any(p.is_cuda for p in plan.host)
+            copy_back_thread = any(accel.is_accelerator(p) for p in plan.host)
         self._copier: Any = (
             cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="hf_zero-copyback")
             if copy_back_thread else _InlineExecutor()
@@ -466,10 +469,11 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         slot = self._slot_of[id(param)]
         flat = grad.reshape(-1)
         if slot.fresh:
-            slot.grad.copy_(flat, non_blocking=self._pin and flat.is_cuda)
+            self._grad_copies.copy(slot.grad, flat)
             slot.fresh = False
         else:
             # Accumulation needs the host values: a blocking copy (only from the 2nd micro-step on).
+            self._grad_copies.wait()
             slot.grad.add_(flat.to("cpu", torch.float32))
         if self._nvme and not self._prefetched:
             self.prefetch()
@@ -478,6 +482,9 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         return [s.param for s in self.slots]
 
     def _host_grads(self) -> list[torch.Tensor]:
+        # Every reader of host gradients comes through here or _ordered_grads: the copies from
+        # the device must have landed (with pinned memory they run asynchronously on a stream).
+        self._grad_copies.wait()
         return [s.grad for s in self.slots if not s.fresh]
 
     def _device_grads(self) -> list[torch.Tensor]:
@@ -545,6 +552,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
     def _ordered_grads(self) -> list[torch.Tensor]:
         """This rank's gradient of every parameter that has one, in param-group order (the same
         list on every rank at stages 2/3: each holds a shard of every parameter)."""
+        self._grad_copies.wait()
         out = []
         for group in self.param_groups:
             for p in group["params"]:
@@ -591,8 +599,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         try:
             if self._closed:
                 raise OffloadError("the offloaded optimizer is closed (its engine was closed)")
-            if torch.cuda.is_available() and self._comm_device.type == "cuda":
-                torch.cuda.synchronize()  # asynchronous gradient copies to pinned memory have landed
+            self._grad_copies.wait()  # asynchronous gradient copies to pinned memory have landed
             for feed in self._feeds:  # no device gradient buffer is kept through the step
                 release = getattr(feed, "release", None)
                 if release is not None:
@@ -673,24 +680,23 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             piece.adopted = True
 
     def _copy_back(self, chunk: _Chunk, source: Callable[[_Piece], torch.Tensor] | None) -> None:
-        on_cuda = False
+        copies = accel.PendingCopies()
         for piece in chunk.pieces:
             if piece.numel == 0:
                 continue
             values = piece.tensor if source is None else source(piece)
-            self._write_param(piece.slot, piece.start, values)
-            on_cuda = on_cuda or piece.slot.param.is_cuda
-        if on_cuda:
-            # The host values may be overwritten as soon as this returns (an NVMe buffer goes back
-            # to the pool): wait for the asynchronous host-to-device copies on this thread only.
-            torch.cuda.current_stream().synchronize()
+            self._write_param(piece.slot, piece.start, values, copies)
+        # The host values may be overwritten as soon as this returns (an NVMe buffer goes back to
+        # the pool): wait for these host-to-device copies, on the parameters' own device (F3: not
+        # this worker thread's current device).
+        copies.wait()
 
-    def _write_param(self, slot: _Slot, start: int, values: torch.Tensor) -> None:
+    def _write_param(self, slot: _Slot, start: int, values: torch.Tensor, copies: accel.PendingCopies) -> None:
         if self._param_writer is not None:
             self._param_writer(slot.param, start, values)
             return
         target = _local(slot.param.data).view(-1)[start : start + values.numel()]
-        target.copy_(values, non_blocking=self._pin and target.is_cuda)
+        copies.copy(target, values)
 
     def _step_nvme(self) -> None:
         active = [c for c in self.chunks if any(not p.slot.fresh for p in c.pieces)]
@@ -957,12 +963,12 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                     entry = entries.get(self._names[id(p)])
                     if entry:
                         self._device_opt.state[p] = {k: v for k, v in entry.items()}
+        copies = accel.PendingCopies()
         for slot in self.slots:
             master = loaded[id(slot)][0] if self._nvme else slot.master
             if slot.numel:
-                self._write_param(slot, 0, master)
-        if torch.cuda.is_available() and self._comm_device.type == "cuda":
-            torch.cuda.synchronize()
+                self._write_param(slot, 0, master, copies)
+        copies.wait()
 
     def _write_all_from(self, loaded: dict) -> None:
         for chunk in self.chunks:

@@ -31,6 +31,8 @@ import torch.distributed as dist
 from torch import nn
 
 from hf_zero.config.schema import ZeroConfig
+from hf_zero.distributed import device as accel
+from hf_zero.distributed.collectives import collective_device
 from hf_zero.offload.base import OffloadBackend, OffloadError, agree_on_error
 from hf_zero.offload.cpu_optimizer import (
     HostOffloadConfig,
@@ -148,10 +150,10 @@ class _FsdpGradFeed:
         """Drop the reference to the last reduce-scatter output (its gradients are on the host)."""
         flat, self._flat = self._flat, None
         self._cursor = 0
-        if flat is not None and flat.is_cuda:
+        if flat is not None:
             # The host copies of its slices may still be in flight on the current stream: the
             # caching allocator must not hand the block out before they have run.
-            flat.record_stream(torch.cuda.current_stream(flat.device))
+            accel.record_stream(flat)
 
     def remove(self) -> None:
         self.release()
@@ -276,7 +278,7 @@ class OffloadManager:
 
     @property
     def comm_device(self) -> torch.device:
-        return self.env.device if self.env.backend == "nccl" else torch.device("cpu")
+        return collective_device()
 
     # ------------------------------------------------------------------------------ stages 2/3
     def prepare_fsdp(self, model: nn.Module, units: list[nn.Module]) -> dict[str, Any]:

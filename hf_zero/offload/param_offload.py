@@ -36,6 +36,7 @@ import torch
 from torch import nn
 
 from hf_zero.config.schema import AioConfig, OffloadParamConfig
+from hf_zero.distributed import device as accel
 from hf_zero.offload.base import OffloadError, TierReport, empty_report, nbytes
 
 __all__ = ["CpuParamOffload", "NvmeParamSwapper", "fsdp_cpu_offload_policy"]
@@ -54,7 +55,7 @@ def fsdp_cpu_offload_policy(cfg: OffloadParamConfig):
     """
     from torch.distributed.fsdp import CPUOffloadPolicy
 
-    pin = bool(cfg.pin_memory) and torch.cuda.is_available()
+    pin = bool(cfg.pin_memory) and accel.native_pinning()
     if pin and cfg.device == "nvme":
         logger.info("hf_zero: %s.pin_memory is not applied to NVMe-swapped parameter shards "
                     "(their host storage is freed and re-made on every swap)", _SETTING)
@@ -321,9 +322,9 @@ class NvmeParamSwapper:
             self._write_unit(unit, wait=True)
         wait_all(unit.writing)
         unit.writing = []
-        if torch.cuda.is_available():
-            # An asynchronous host-to-device copy of this shard may still be reading it.
-            torch.cuda.synchronize()
+        # An asynchronous host-to-device copy of this shard (FSDP2's all-gather copy-in, on this
+        # rank's device) may still be reading it.
+        accel.synchronize(accel.current_device())
         for fp in unit.fsdp_params:
             fp._sharded_param_data.untyped_storage().resize_(0)
         unit.resident = False
