@@ -14,7 +14,14 @@ from typing import Sequence
 __all__ = ["build_parser", "main"]
 
 # Imported in order; a listed module that is missing is a packaging bug, so the ImportError propagates.
-_COMMAND_MODULES = ["hf_zero.cli.config_cmd", "hf_zero.cli.run_cmd", "hf_zero.cli.estimate_cmd", "hf_zero.cli.consolidate_cmd"]
+_COMMAND_MODULES = [
+    "hf_zero.cli.config_cmd",
+    "hf_zero.cli.run_cmd",
+    "hf_zero.cli.estimate_cmd",
+    "hf_zero.cli.consolidate_cmd",
+    "hf_zero.cli.env_cmd",
+    "hf_zero.cli.doctor_cmd",
+]
 
 
 def build_parser() -> argparse.ArgumentParser:

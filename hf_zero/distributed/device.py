@@ -39,11 +39,13 @@ __all__ = [
     "CudaRuntime",
     "PendingCopies",
     "accelerator_available",
+    "bf16_supported",
     "current_device",
     "default_backend",
     "device_count",
     "get_rng_state",
     "is_accelerator",
+    "max_memory_allocated",
     "native_pinning",
     "pin",
     "pin_available",
@@ -128,6 +130,12 @@ class CudaRuntime:
 
     def device_name(self, index: int) -> str:
         return torch.cuda.get_device_name(index)
+
+    def bf16_supported(self) -> bool:
+        return torch.cuda.is_bf16_supported(including_emulation=False)
+
+    def max_memory_allocated(self) -> int:
+        return torch.cuda.max_memory_allocated()
 
     def can_access_peer(self, i: int, j: int) -> bool:
         return torch.cuda.can_device_access_peer(i, j)
@@ -312,3 +320,13 @@ def can_access_peer(i: int, j: int) -> bool:
     """Whether the driver reports peer access from accelerator ``i`` to ``j`` (it may be wrong:
     only a live collective settles it, see ``hf-zero doctor``)."""
     return _runtime.can_access_peer(i, j)
+
+
+def bf16_supported() -> bool:
+    """Whether the current accelerator computes in bf16 natively (not emulated); False without one."""
+    return _runtime.available() and _runtime.bf16_supported()
+
+
+def max_memory_allocated() -> int | None:
+    """Peak bytes the caching allocator handed out on the current accelerator (None without one)."""
+    return _runtime.max_memory_allocated() if _runtime.available() else None
