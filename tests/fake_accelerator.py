@@ -158,6 +158,13 @@ class FakeAccelerator:
         return True
 
 
+class NoAccelerator(accel.CudaRuntime):
+    """The real runtime with no device visible: a plain CPU reference run on a GPU machine too."""
+
+    def available(self) -> bool:
+        return False
+
+
 @contextlib.contextmanager
 def fake_accelerator(**kwargs) -> Iterator[FakeAccelerator]:
     """Install a :class:`FakeAccelerator` (and route ``Tensor.pin_memory``/``is_pinned`` to it)."""

@@ -424,13 +424,13 @@ def collect_env(nvme_path: str | None = None) -> EnvReport:
     versions = _section(lambda: _versions(torch, cuda_available))
     if torch is None:
         versions["torch"] = no_torch["error"]
-    nvme = None
+    host = _section(lambda: _host_section(torch, cuda_available, warnings))
+    nvme, nvme_warnings = None, []
     if nvme_path is not None:
-        nvme = {"path": nvme_path, **_bounded(lambda: _nvme_section(nvme_path, warnings))}
-    return EnvReport(versions=versions, gpus=gpus, distributed=distributed,
-                     host=_section(lambda: _host_section(torch, cuda_available, warnings)),
-                     environment=_section(lambda: environment_variables(os.environ)),
-                     nvme=nvme, warnings=warnings)
+        nvme = {"path": nvme_path, **_bounded(lambda: _nvme_section(nvme_path, nvme_warnings))}
+        warnings += list(nvme_warnings)  # a copy: a timed-out probe may still append later
+    return EnvReport(versions=versions, gpus=gpus, distributed=distributed, host=host,
+                     environment=_section(lambda: environment_variables(os.environ)), nvme=nvme, warnings=warnings)
 
 
 _TITLES = {"versions": "Versions", "gpus": "GPUs", "distributed": "Distributed backends", "host": "Host",
