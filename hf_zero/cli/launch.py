@@ -76,7 +76,9 @@ def plan_launch(
         args.append(f"--master_port={master_port or 29500}")
     args += ["-m", "hf_zero.integration.bootstrap", script, *script_args]
     extra, notes = nccl_env_for_gpus(gpu_names, p2p_ok, env)
-    if not gpu_names and "OMP_NUM_THREADS" not in env and nproc > 1:
-        # CPU ranks share the cores: one thread each avoids oversubscription.
-        extra["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or nproc) // nproc))
+    if "OMP_NUM_THREADS" not in env and nproc > 1:
+        # Ranks share the node's cores. torchrun would give each GPU rank a single thread, and the
+        # offloaded optimizer step (a CPU AdamW over the rank's whole shard) would run on one core.
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or nproc)
+        extra["OMP_NUM_THREADS"] = str(max(1, cores // nproc))
     return LaunchPlan(torchrun_args=args, env=extra, notes=notes)

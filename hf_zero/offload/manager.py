@@ -142,6 +142,11 @@ class _FsdpGradFeed:
                         "optimizer offload cannot recover fp32 gradients"
                     )
         self._opt.accumulate_grad(param, exact)
+        if exact is local:
+            # fp32 path: the gradient is a view of FSDP2's reduce-scatter output, which its
+            # allocator may hand out again once param.grad is dropped, while the asynchronous
+            # device-to-host copy still reads it (review F6).
+            accel.record_stream(local)
         param.grad = None  # no gradient shard stays on the accelerator
         if self._flat is not None and self._cursor >= self._flat.numel():
             self.release()  # the unit's last gradient has been copied: drop its fp32 output

@@ -31,7 +31,6 @@ def test_multi_node_passes_the_rendezvous():
     plan = plan_launch("t.py", [], nproc_per_node=8, nnodes=2, node_rank=1, master_addr="10.0.0.1", master_port=29501,
                        gpu_names=["NVIDIA A100"] * 8, env={})
     assert plan.torchrun_args[:5] == ["--nproc_per_node=8", "--nnodes=2", "--node_rank=1", "--master_addr=10.0.0.1", "--master_port=29501"]
-    assert "OMP_NUM_THREADS" not in plan.env
     assert plan_launch("t.py", [], gpu_names=["NVIDIA A100"] * 4, env={}).torchrun_args[0] == "--nproc_per_node=4"
 
 
@@ -40,3 +39,15 @@ def test_missing_script_is_reported(tmp_path, capsys):
 
     assert main(["run", str(tmp_path / "nope.py")]) == 2
     assert "nope.py" in capsys.readouterr().err
+
+
+def test_gpu_ranks_get_their_share_of_the_cores_not_one_thread(monkeypatch):
+    """torchrun sets OMP_NUM_THREADS=1 for every rank when it is unset (review F7): the offloaded
+    optimizer step would run on one core. A user's own value is kept."""
+    import os
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(32)), raising=False)
+    plan = plan_launch("t.py", [], gpu_names=["NVIDIA A100"] * 4, env={})
+    assert plan.env["OMP_NUM_THREADS"] == "8"
+    assert "OMP_NUM_THREADS" not in plan_launch("t.py", [], gpu_names=["NVIDIA A100"] * 4, env={"OMP_NUM_THREADS": "2"}).env
+    assert "OMP_NUM_THREADS" not in plan_launch("t.py", [], gpu_names=["NVIDIA A100"], env={}).env  # one rank: torchrun leaves it
