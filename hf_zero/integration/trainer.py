@@ -178,6 +178,12 @@ class ZeroTrainerMixin:
     def _prepare_for_training(self, max_steps, train_dataloader, resume_from_checkpoint):
         if not self.zero_enabled:
             return super()._prepare_for_training(max_steps, train_dataloader, resume_from_checkpoint)
+        if self.zero_engine is not None and not self._engine_holds(self.model):
+            # model_init built a fresh model for this train() (a second call, a hyperparameter
+            # trial): the old engine trains the old model, so the new one needs its own engine.
+            # Reusing it would train nothing that the user gets back.
+            self.zero_engine.close()
+            self.zero_engine = None
         if self.zero_engine is None:
             self._build_zero_engine(max_steps, for_training=True)
         elif self.zero_engine.optimizer is None:
@@ -196,6 +202,11 @@ class ZeroTrainerMixin:
             setattr(self.callback_handler, attr, getattr(self, attr))
         self.callback_handler.train_dataloader = train_dataloader
         return model, train_dataloader
+
+    def _engine_holds(self, model: nn.Module) -> bool:
+        from hf_zero.checkpoint.export16 import unwrap_model
+
+        return unwrap_model(self.zero_engine) is unwrap_model(model)
 
     def _wrap_model(self, model: nn.Module, training: bool = True, dataloader=None) -> nn.Module:
         if not self.zero_enabled:
