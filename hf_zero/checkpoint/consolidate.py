@@ -115,7 +115,8 @@ def consolidate_checkpoint(
         weights_name = ADAPTER_WEIGHTS_NAME
         max_shard_size = 1 << 62  # peft loads one adapter file
     else:
-        out_key = lambda n: n  # noqa: E731
+        scalars: dict[str, str] = info.get("scalar_keys") or {}  # saved under their original names, as 0-dim
+        out_key = lambda n: scalars.get(n, n)  # noqa: E731
         weights_name = WEIGHTS_NAME
     names = [n for n in names if n not in dropped]
 
@@ -153,7 +154,8 @@ def consolidate_checkpoint(
                 dcp.load(request, storage_reader=dcp.FileSystemReader(src), no_dist=True)
             shard = {}
             for k in keys:
-                shard[k] = request.pop(_MODULE_PREFIX + source_of[k]).to(out_dtype(source_of[k]))
+                value = request.pop(_MODULE_PREFIX + source_of[k]).to(out_dtype(source_of[k]))
+                shard[k] = value.reshape(()) if k != source_of[k] and adapter_keys is None else value
                 bar.update(1)
             write_safetensors(os.path.join(tmp, filename), shard)
             del shard, request

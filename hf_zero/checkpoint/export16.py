@@ -37,6 +37,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from hf_zero.distributed.collectives import on_mesh_device
+from hf_zero.engine.scalar_params import lifted_keys, restore_scalar_keys
 
 __all__ = [
     "save_16bit_model",
@@ -200,7 +201,7 @@ def gather_full_state_dict(
         tensor = _gather_one(state[name], dtype, keep)
         if keep:
             out[name] = tensor
-    return out
+    return restore_scalar_keys(out, lifted_keys(module))
 
 
 # ----------------------------------------------------------------------------------------------- peft
@@ -394,7 +395,8 @@ def save_16bit_model(
         weights_name = WEIGHTS_NAME
     dropped = {n for group in tied_groups(module, names) for n in group[1:]}
     names = [n for n in names if n not in dropped]
-    out_key = (lambda n: adapter_keys[n]) if adapter_keys is not None else (lambda n: n)
+    lifted = lifted_keys(module)  # 0-dim parameters stored as (1,) for FSDP2: saved as they were
+    out_key = (lambda n: adapter_keys[n]) if adapter_keys is not None else (lambda n: lifted.get(n, n))
 
     def nbytes(n: str) -> int:
         t = state[n]
@@ -419,6 +421,8 @@ def save_16bit_model(
             shard: dict[str, torch.Tensor] = {}
             for key in keys:  # every rank walks the same keys in the same order (collectives)
                 tensor = _gather_one(state[source_of[key]], dtype, keep=is_main_process and error is None)
+                if tensor is not None and source_of[key] in lifted:
+                    tensor = tensor.reshape(())
                 if tensor is not None:
                     shard[key] = tensor
             if is_main_process and error is None:

@@ -39,6 +39,7 @@ import torch.distributed as dist
 from torch import nn
 
 from hf_zero.distributed import device as accel
+from hf_zero.engine.scalar_params import lifted_keys
 from hf_zero.checkpoint.export16 import (
     save_model_config,
     peft_adapter_key_map,
@@ -419,6 +420,7 @@ def _marker(engine: Any, module: nn.Module, adapter_keys: dict[str, str] | None,
         "params": _model_entries(module),
         "tied": tied_groups(module),
         "peft_adapter_keys": adapter_keys,
+        "scalar_keys": lifted_keys(module),  # 0-dim parameters stored as (1,) for FSDP2
     }
 
 

@@ -86,7 +86,11 @@ class OptimizerRecipe:
 
     def param_groups(self, model: nn.Module) -> list[dict[str, Any]]:
         """This recipe's groups over ``model``'s current parameters (trainable ones only)."""
+        from hf_zero.engine.scalar_params import lifted_keys
+
         by_name = dict(model.named_parameters(remove_duplicate=True))
+        for stored, original in lifted_keys(model).items():  # groups recorded before 0-dim params were lifted
+            by_name.setdefault(original, by_name[stored])
         if not self.groups:
             return [{"params": [p for p in by_name.values() if p.requires_grad]}]
         return [

@@ -29,6 +29,7 @@ from hf_zero.config.schema import ZeroOptimizationConfig
 from hf_zero.distributed.env import DistEnv
 from hf_zero.engine.optimizer_recipe import OptimizerRecipe, constructor_defaults
 from hf_zero.engine.wrap_policy import find_wrap_units
+from hf_zero.engine.scalar_params import lift_scalar_params
 from hf_zero.precision.masters import MasterCast, cast_to_master_dtypes
 from hf_zero.precision.policy import PrecisionPolicy
 from hf_zero.utils.logging import get_logger
@@ -205,6 +206,9 @@ class FullyShardedStage:
             reshard_after_forward=self.stage == 3,
             mp_policy=self.precision.fsdp_mp_policy(),
         )
+        lifted = lift_scalar_params(model)  # FSDP2 cannot shard 0-dim parameters
+        if lifted and self.env.is_main:
+            logger.info("hf_zero: 0-dim parameters stored as 1-element shards (saved as scalars): %s", ", ".join(lifted))
         _log_cast(cast_to_master_dtypes(model, self.precision.compute_dtype, frozen_in_compute_dtype=True), self.env)
         self.units = find_wrap_units(model)
         if self.offload is not None:
