@@ -19,7 +19,7 @@ NO_EFFECT_KEYS: dict[str, str] = {
     # top level
     "steps_per_print": "progress is logged by the Trainer (--logging_steps)",
     "wall_clock_breakdown": "hf_zero has no DeepSpeed timers; use the Trainer's logs or torch.profiler",
-    "memory_breakdown": "hf_zero has no DeepSpeed memory logger; use torch.cuda.memory_summary()",
+    "memory_breakdown": "hf_zero has no DeepSpeed memory logger; use memory_summary() from torch's cuda module",
     "dump_state": "hf_zero has no DeepSpeed state dump",
     "zero_allow_untested_optimizer": "hf_zero accepts any torch optimizer the Trainer builds",
     "zero_force_ds_cpu_optimizer": "there is no DeepSpeed CPU Adam; offloaded steps run torch optimizers on CPU",

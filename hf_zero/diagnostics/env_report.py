@@ -253,24 +253,28 @@ def _versions(torch: Any, cuda_available: bool) -> dict[str, str]:
            "python": f"{platform.python_version()} ({platform.python_implementation()}, {sys.executable})",
            "os": _try(os_name), "kernel": platform.release() or "unknown (platform.release() is empty)"}
     if torch is not None:
+        from hf_zero.distributed import device as accel
+
         hip = getattr(torch.version, "hip", None)
         out["torch"] = f"{torch.__version__} ({os.path.dirname(torch.__file__)})"
         out["torch_cuda"] = torch.version.cuda or (f"none (ROCm build, HIP {hip})" if hip else "none (CPU-only build)")
         out["cudnn"] = _try(cudnn)
-        out["nccl"] = (_try(lambda: ".".join(map(str, torch.cuda.nccl.version()))) if cuda_available
+        out["nccl"] = (_try(accel.nccl_version) if cuda_available
                        else "n/a (no CUDA device visible)")
     out.update({name: _try(lambda name=name: dist_version(name)) for name in PACKAGES})
     return out
 
 
 def _gpu_section(torch: Any, warnings: list[str]) -> dict[str, Any]:
+    from hf_zero.distributed import device as accel
+
     with _warnings.catch_warnings(record=True) as caught:  # torch explains driver problems as warnings
         _warnings.simplefilter("always")
-        available = torch.cuda.is_available()
+        available = accel.accelerator_available()
     smi = _try(lambda: parse_nvidia_smi_csv(_run(_NVIDIA_SMI_QUERY)))
     gpus: dict[str, Any] = {"cuda_available": "yes"}
     if available:
-        count = torch.cuda.device_count()
+        count = accel.device_count()
         gpus["count"] = str(count)
         gpus["devices"] = [_section(lambda i=i: _device(torch, i, warnings)) for i in range(count)]
         gpus["p2p"] = _try(lambda: _p2p_matrix(torch, count, warnings))
@@ -297,10 +301,11 @@ def _gpu_section(torch: Any, warnings: list[str]) -> dict[str, Any]:
 
 
 def _device(torch: Any, i: int, warnings: list[str]) -> dict[str, str]:
-    props = torch.cuda.get_device_properties(i)
+    from hf_zero.distributed import device as accel
+
+    props = accel.device_properties(i)
     try:
-        with torch.cuda.device(i):  # is_bf16_supported asks about the current device
-            native = bool(torch.cuda.is_bf16_supported(including_emulation=False))
+        native = bool(accel.bf16_supported(i))
     except Exception:  # noqa: BLE001 -- an older torch without including_emulation: bf16 needs sm_80+
         native = (props.major, props.minor) >= (8, 0)
     if not native:
@@ -311,7 +316,9 @@ def _device(torch: Any, i: int, warnings: list[str]) -> dict[str, str]:
 
 
 def _p2p_matrix(torch: Any, count: int, warnings: list[str]) -> list[list[str]]:
-    matrix = [["-" if i == j else "yes" if torch.cuda.can_device_access_peer(i, j) else "no"
+    from hf_zero.distributed import device as accel
+
+    matrix = [["-" if i == j else "yes" if accel.can_access_peer(i, j) else "no"
                for j in range(count)] for i in range(count)]
     missing = [f"{i}->{j}" for i in range(count) for j in range(count) if matrix[i][j] == "no"]
     if missing:

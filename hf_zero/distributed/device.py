@@ -43,10 +43,13 @@ __all__ = [
     "current_device",
     "default_backend",
     "device_count",
+    "device_name",
+    "device_properties",
     "get_rng_state",
     "is_accelerator",
     "max_memory_allocated",
     "native_pinning",
+    "nccl_version",
     "pin",
     "pin_available",
     "pinned_empty",
@@ -131,8 +134,17 @@ class CudaRuntime:
     def device_name(self, index: int) -> str:
         return torch.cuda.get_device_name(index)
 
-    def bf16_supported(self) -> bool:
-        return torch.cuda.is_bf16_supported(including_emulation=False)
+    def bf16_supported(self, index: int | None = None) -> bool:
+        if index is None:
+            return torch.cuda.is_bf16_supported(including_emulation=False)
+        with torch.cuda.device(index):  # is_bf16_supported asks about the current device
+            return torch.cuda.is_bf16_supported(including_emulation=False)
+
+    def device_properties(self, index: int) -> Any:
+        return torch.cuda.get_device_properties(index)
+
+    def nccl_version(self) -> str:
+        return ".".join(map(str, torch.cuda.nccl.version()))
 
     def max_memory_allocated(self) -> int:
         return torch.cuda.max_memory_allocated()
@@ -322,9 +334,20 @@ def can_access_peer(i: int, j: int) -> bool:
     return _runtime.can_access_peer(i, j)
 
 
-def bf16_supported() -> bool:
-    """Whether the current accelerator computes in bf16 natively (not emulated); False without one."""
-    return _runtime.available() and _runtime.bf16_supported()
+def bf16_supported(index: int | None = None) -> bool:
+    """Whether accelerator ``index`` (default: the current one) computes in bf16 natively, not
+    emulated; False without an accelerator."""
+    return _runtime.available() and _runtime.bf16_supported(index)
+
+
+def device_properties(index: int) -> Any:
+    """Name, ``total_memory``, ``major``/``minor`` compute capability of accelerator ``index``."""
+    return _runtime.device_properties(index)
+
+
+def nccl_version() -> str:
+    """The NCCL version torch was built with, e.g. ``"2.28.9"``."""
+    return _runtime.nccl_version()
 
 
 def max_memory_allocated() -> int | None:

@@ -1,7 +1,7 @@
 """Hook for checking the estimator against measured training runs.
 
 Nothing here measures: the engine does not exist yet. When it does, a run records its peaks
-(``torch.cuda.max_memory_allocated()`` per rank, the node's peak resident host memory, the bytes in
+(the CUDA allocator's ``max_memory_allocated()`` per rank, the node's peak resident host memory, the bytes in
 the NVMe swap folder) into a :class:`MeasuredMemory`, and :func:`compare_with_measurement` says how
 far each tier's estimate was off. A GPU integration test can then assert the ratios stay within a
 band and, where they do not, the constants in ``memory.py`` (the activation coefficients, the
@@ -22,7 +22,7 @@ class MeasuredMemory:
     """Peak memory observed in a real run of one configuration (same units as a :class:`Row`)."""
 
     gpu_bytes: int
-    """Peak allocated on the busiest GPU (``torch.cuda.max_memory_allocated``; not ``reserved``)."""
+    """Peak allocated on the busiest GPU (the allocator's ``max_memory_allocated``; not ``reserved``)."""
     cpu_bytes: int | None = None
     """Peak host memory of one node attributable to training (RSS minus the idle baseline)."""
     nvme_bytes: int | None = None

@@ -18,6 +18,7 @@ import torch
 
 from hf_zero.cli import env_cmd
 from hf_zero.diagnostics import env_report
+from hf_zero.distributed import device as accel
 from hf_zero.diagnostics.env_report import (
     REDACTED,
     UNSET,
@@ -305,17 +306,31 @@ def test_gpu_section_with_a_fake_two_gpu_torch(monkeypatch) -> None:
 
     props = [SimpleNamespace(name="Tesla V100", total_memory=32 * 2**30, major=7, minor=0),
              SimpleNamespace(name="NVIDIA A100", total_memory=80 * 2**30, major=8, minor=0)]
-    fake_cuda = SimpleNamespace(
-        is_available=lambda: True, device_count=lambda: 2, get_device_properties=lambda i: props[i], device=device,
-        is_bf16_supported=lambda including_emulation=True: props[current[0]].major >= 8,
-        can_device_access_peer=lambda i, j: False)
-    fake_torch = SimpleNamespace(cuda=fake_cuda, version=SimpleNamespace(cuda="12.4", hip=None))
+    class TwoGpus(accel.CudaRuntime):
+        def available(self):
+            return True
+
+        def device_count(self):
+            return 2
+
+        def device_properties(self, i):
+            return props[i]
+
+        def bf16_supported(self, index=None):
+            with device(index):
+                return props[current[0]].major >= 8
+
+        def can_access_peer(self, i, j):
+            return False
+
+    fake_torch = SimpleNamespace(version=SimpleNamespace(cuda="12.4", hip=None))
     outputs = {"--query-gpu=index,mig.mode.current,driver_version,ecc.mode.current":
                "0, Disabled, 550.54.15, Enabled\n1, Enabled, 550.54.15, Enabled\n",
                "topo": "\tGPU0\tGPU1\nGPU0\t X \tSYS\nGPU1\tSYS\t X \n"}
     monkeypatch.setattr(env_report, "_run", lambda cmd: outputs[cmd[1]])
     warnings: list[str] = []
-    gpus = env_report._gpu_section(fake_torch, warnings)
+    with accel.use_runtime(TwoGpus()):
+        gpus = env_report._gpu_section(fake_torch, warnings)
     assert gpus["count"] == "2"
     assert [d["bf16_native"] for d in gpus["devices"]] == ["no", "yes"]
     assert gpus["devices"][1] == {"index": "1", "name": "NVIDIA A100", "memory": "80.00 GiB",
