@@ -84,7 +84,7 @@ def _launch(nproc: int, out: Path, extra: list[str], env_extra: dict[str, str], 
     """Start the ranks and wait for them; True when all exited in time (whatever their status)."""
     port = _free_port()
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    procs = []
+    procs, logs = [], []
     for rank in range(nproc):
         env = {**os.environ, **env_extra, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nproc),
                "LOCAL_WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
@@ -92,6 +92,7 @@ def _launch(nproc: int, out: Path, extra: list[str], env_extra: dict[str, str], 
         env.setdefault("OMP_NUM_THREADS", str(max(1, cores // nproc)))
         cmd = [sys.executable, "-m", "hf_zero.diagnostics.doctor_worker", "--out", str(out), *extra]
         log = (out / f"rank{rank}.log").open("w")
+        logs.append(log)
         procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
     t0 = time.monotonic()
     deadline = t0 + timeout_s
@@ -102,7 +103,19 @@ def _launch(nproc: int, out: Path, extra: list[str], env_extra: dict[str, str], 
         if p.poll() is None:
             p.kill()
             p.wait()
+    for log in logs:
+        log.close()
     return finished, time.monotonic() - t0
+
+
+def _clear_results(out: Path) -> None:
+    """Remove what an earlier run left in ``out`` (``--keep`` reused): its records would otherwise
+    be merged with this run's, and a check that hangs now would show the old PASS."""
+    for pattern in ("rank*.jsonl", "rank*.log"):
+        for f in out.glob(pattern):
+            f.unlink()
+    for sub in ("runs", "p2p_off"):
+        shutil.rmtree(out / sub, ignore_errors=True)
 
 
 def _read_rank(path: Path) -> list[dict[str, Any]]:
@@ -183,6 +196,7 @@ def run_doctor(nproc: int | None = None, *, zero_config: str | None = None, nvme
     t_start = time.monotonic()
     out = Path(keep) if keep else Path(tempfile.mkdtemp(prefix="hf_zero_doctor_"))
     out.mkdir(parents=True, exist_ok=True)
+    _clear_results(out)
     extra: list[str] = []
     if nvme_path:
         extra += ["--nvme_path", nvme_path]
@@ -203,7 +217,7 @@ def run_doctor(nproc: int | None = None, *, zero_config: str | None = None, nvme
         nccl = accel.default_backend() == "nccl"
         if nccl and any(r.name.startswith("collectives") and r.status in ("fail", "hang") for r in rows):
             retry = out / "p2p_off"
-            retry.mkdir(exist_ok=True)
+            retry.mkdir()
             ok_again, _ = _launch(nproc, retry, ["--only", "collectives", *(["--inject", inject] if inject else [])],
                                   {"NCCL_P2P_DISABLE": "1"}, min(60.0, timeout_s))
             again = [r for r in _merge(retry, nproc, ok_again) if r.name.startswith("collectives")]
@@ -215,6 +229,8 @@ def run_doctor(nproc: int | None = None, *, zero_config: str | None = None, nvme
     finally:
         if not keep:
             shutil.rmtree(out, ignore_errors=True)
+        if nvme_path:  # the workers' swap folder (they name it after this process)
+            shutil.rmtree(os.path.join(nvme_path, f"hf_zero_doctor_{os.getpid()}"), ignore_errors=True)
 
 
 def render(report: DoctorReport) -> str:

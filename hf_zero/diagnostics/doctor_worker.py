@@ -261,7 +261,9 @@ def _check_export(folder: Path, files: list[str]) -> None:
 def _tolerance(precision: str, on_accelerator: bool) -> float:
     if precision == "fp32" and not on_accelerator:
         return 1e-5
-    return 2e-2  # 16-bit compute, and GPU kernels against the CPU optimizer's fp32 arithmetic
+    # 16-bit compute, and GPU kernels against the CPU optimizer's fp32 arithmetic: 2.7e-5 measured on
+    # an H100 in bf16. A wrong update is larger (a 3x learning rate in one offload path: 7e-3).
+    return 2e-3
 
 
 def _compare(result: dict[str, Any], base: dict[str, Any] | None, tol: float) -> dict[str, Any]:

@@ -52,11 +52,16 @@ def test_doctor_fails_the_offload_rows_when_offload_trains_wrong(capsys):
 
 
 @pytest.mark.slow
-def test_doctor_reports_wrong_collective_values_and_hangs(capsys):
+def test_doctor_reports_wrong_collective_values_and_hangs(capsys, tmp_path):
     code, report = _doctor(capsys, "--inject", "collective")
     assert code == 1
     assert "all_reduce gave" in _rows(report)["collectives-fp32"]["detail"]
-    code, report = _doctor(capsys, "--inject", "hang", "--timeout", "20")
+    # A --keep folder reused from a run that passed must not lend its PASS to a check that hangs now.
+    keep = tmp_path / "doctor"
+    keep.mkdir()
+    for rank in (0, 1):
+        (keep / f"rank{rank}.jsonl").write_text('{"check": "collectives-fp32", "status": "pass", "seconds": 0.1}\n')
+    code, report = _doctor(capsys, "--inject", "hang", "--timeout", "20", "--keep", str(keep))
     assert code == 1
     hung = _rows(report)["collectives-fp32"]
     assert hung["status"] == "hang" and "no answer before the deadline" in hung["detail"]
@@ -82,3 +87,4 @@ def test_render_says_what_to_do_for_each_failure():
     text = render(report)
     assert "| pinned-copy | FAIL |" in text and "ulimit -l" in text and text.endswith("Some checks FAILED.")
     assert not report.ok
+
