@@ -204,19 +204,11 @@ def zero_config_dict(config: BenchConfig, *, nvme_path: str | None = None, sub_g
         zero[key] = section
     if sub_group_size is not None:
         zero["sub_group_size"] = sub_group_size
-    cfg: dict[str, Any] = {
-        "train_micro_batch_size_per_gpu": "auto",
-        "train_batch_size": "auto",
-        "gradient_accumulation_steps": "auto",
-        "gradient_clipping": "auto",
-        "bf16": {"enabled": "auto"},
-        "fp16": {"enabled": "auto"},
-        "zero_optimization": zero,
-    }
+    from hf_zero.config.auto import trainer_auto_config
+
+    cfg = trainer_auto_config(zero, optimizer=config.kind == "deepspeed" and config.offload_optimizer != "none")
     if config.uses_nvme:
         cfg["aio"] = {"block_size": 1048576, "queue_depth": 8, "thread_count": 1, "single_submit": False, "overlap_events": True}
-    if config.kind == "deepspeed" and config.offload_optimizer != "none":
-        cfg["optimizer"] = {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"}}
     return cfg
 
 

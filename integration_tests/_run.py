@@ -47,13 +47,6 @@ def write_config(path: Path, config: dict) -> Path:
 
 def zero_config(stage: int, **extra) -> dict:
     """A DeepSpeed-style config with "auto" everywhere the HF integration allows it."""
-    return {
-        "train_micro_batch_size_per_gpu": "auto",
-        "train_batch_size": "auto",
-        "gradient_accumulation_steps": "auto",
-        "gradient_clipping": "auto",
-        "bf16": {"enabled": "auto"},
-        "fp16": {"enabled": "auto"},
-        "zero_optimization": {"stage": stage, "reduce_bucket_size": "auto"},
-        **extra,
-    }
+    from hf_zero.config.auto import trainer_auto_config
+
+    return {**trainer_auto_config({"stage": stage, "reduce_bucket_size": "auto"}, optimizer=False), **extra}

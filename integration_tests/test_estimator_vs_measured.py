@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import json
 import os
-import resource
 import subprocess
 import sys
 from dataclasses import dataclass

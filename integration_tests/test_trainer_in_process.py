@@ -6,7 +6,6 @@ output that looks complete.
 
 from __future__ import annotations
 
-import json
 import os
 
 import pytest

@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # run from a checkout, hf_zero not installed
 
 
 def _config(stage: int, *, opt: str | None = None, param: str | None = None, nvme: str = "", fp16=False) -> dict:
@@ -36,16 +37,9 @@ def _config(stage: int, *, opt: str | None = None, param: str | None = None, nvm
             zo["offload_param"]["buffer_size"] = 1e7
     if stage == 3:
         zo["stage3_gather_16bit_weights_on_model_save"] = True
-    return {
-        "train_micro_batch_size_per_gpu": "auto",
-        "train_batch_size": "auto",
-        "gradient_accumulation_steps": "auto",
-        "gradient_clipping": "auto",
-        "bf16": {"enabled": "auto"},
-        "fp16": {"enabled": "auto"},
-        "optimizer": {"type": "AdamW", "params": {"lr": "auto", "weight_decay": "auto"}},
-        "zero_optimization": zo,
-    }
+    from hf_zero.config.auto import trainer_auto_config
+
+    return trainer_auto_config(zo)
 
 
 def _matrix(nvme: str) -> list[tuple[str, dict, bool]]:

@@ -28,7 +28,7 @@ from hf_zero.config.errors import ZeroConfigError, show_value
 from hf_zero.config.converters import _number
 from hf_zero.config.schema import AUTO, ZeroConfig
 
-__all__ = ["AUTO_RULES", "hidden_size_of", "resolve_auto"]
+__all__ = ["AUTO_RULES", "hidden_size_of", "resolve_auto", "trainer_auto_config"]
 
 # DeepSpeed key -> (field path, where the value comes from). Used for messages and the docs table.
 AUTO_RULES: dict[str, tuple[str, str]] = {
@@ -59,6 +59,29 @@ AUTO_RULES: dict[str, tuple[str, str]] = {
 _DS_KEY = {path: ds_key for ds_key, (path, _) in AUTO_RULES.items()}
 
 _BATCH = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+
+
+def trainer_auto_config(zero_optimization: Mapping[str, Any], *, optimizer: bool = True) -> dict[str, Any]:
+    """A DeepSpeed-style config with "auto" wherever the HF Trainer integration fills a value from
+    ``TrainingArguments`` (batch sizes, accumulation, clipping, precision, and AdamW's
+    hyper-parameters when ``optimizer``), around ``zero_optimization``: a file that drops into an
+    existing Trainer script unchanged. No "scheduler" section: ``--lr_scheduler_type`` applies.
+
+    >>> trainer_auto_config({"stage": 2}, optimizer=False)["gradient_clipping"]
+    'auto'
+    """
+    cfg: dict[str, Any] = {
+        "train_batch_size": "auto",
+        "train_micro_batch_size_per_gpu": "auto",
+        "gradient_accumulation_steps": "auto",
+        "gradient_clipping": "auto",
+        "bf16": {"enabled": "auto"},
+        "fp16": {"enabled": "auto"},
+    }
+    if optimizer:
+        cfg["optimizer"] = {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"}}
+    cfg["zero_optimization"] = dict(zero_optimization)
+    return cfg
 
 
 def hidden_size_of(model_config: Any) -> int | None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from hf_zero.config.auto import trainer_auto_config
 from hf_zero.estimator.memory import DEFAULT_SUB_GROUP_SIZE, PARAM_NVME_BUFFER_SIZE, Estimate, Row, ZeroChoice
 from hf_zero.estimator.units import format_bytes, format_count
 
@@ -12,18 +13,6 @@ __all__ = ["DEFAULT_NVME_PATH", "nothing_fits_message", "render_report", "zero_c
 
 DEFAULT_NVME_PATH = "/local_nvme"
 """Placeholder ``nvme_path`` in printed configs; the report tells the user to point it at a fast disk."""
-
-# "auto" wherever the HF Trainer integration fills a value from TrainingArguments, so the file drops
-# into an existing script unchanged. No "scheduler" section: the Trainer's --lr_scheduler_type applies.
-_TRAINER_AUTO_KEYS: dict[str, Any] = {
-    "train_batch_size": "auto",
-    "train_micro_batch_size_per_gpu": "auto",
-    "gradient_accumulation_steps": "auto",
-    "gradient_clipping": "auto",
-    "bf16": {"enabled": "auto"},
-    "fp16": {"enabled": "auto"},
-    "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"}},
-}
 
 # DeepSpeed's documented stage-3 defaults, as in the HF ds_config_zero3.json examples.
 _STAGE3_KEYS: dict[str, Any] = {
@@ -82,7 +71,7 @@ def zero_config_for(
         zero["sub_group_size"] = sub_group_size  # the NVMe host buffers were sized from it
     if choice.stage == 3:
         zero.update(_STAGE3_KEYS)
-    return {**json.loads(json.dumps(_TRAINER_AUTO_KEYS)), "zero_optimization": zero}
+    return trainer_auto_config(zero)
 
 
 def _config_json(est: Estimate, row: Row, nvme_path: str) -> str:

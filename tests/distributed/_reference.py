@@ -8,7 +8,6 @@ FSDP2's mixed precision does). fp16 multiplies the loss by the engine's initial 
 
 from __future__ import annotations
 
-import contextlib
 
 import torch
 from torch.func import functional_call
