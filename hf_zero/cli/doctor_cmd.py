@@ -1,4 +1,4 @@
-"""``hf-zero doctor``: check this machine's GPUs, collectives and ZeRO paths (about a minute).
+"""``hf-zero doctor``: check this machine's GPUs, collectives and ZeRO paths (26 s on one H100).
 
 Examples::
 
