@@ -36,7 +36,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from hf_zero.distributed.collectives import on_mesh_device
+from hf_zero.distributed.collectives import agree_on_error, on_mesh_device
 from hf_zero.engine.scalar_params import lifted_keys, restore_scalar_keys
 
 __all__ = [
@@ -104,10 +104,6 @@ def unwrap_model(model: Any) -> nn.Module:
 
 def _rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
-
-def _world() -> int:
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
 # ----------------------------------------------------------------------------------------------- gather
@@ -437,7 +433,7 @@ def save_16bit_model(
         error = exc
     if tmp is not None and error is not None:
         shutil.rmtree(tmp, ignore_errors=True)
-    _raise_if_any_failed(error, f"saving the model to {output_dir}")
+    agree_on_error(error, f"saving the model to {output_dir}")
     return written if is_main_process else []
 
 
@@ -467,18 +463,3 @@ def _finish_export(
     order = weights + extra + last
     publish_files(tmp, output_dir, order, stale=stale)
     return order
-
-
-def _raise_if_any_failed(error: BaseException | None, what: str) -> None:
-    """Agree across ranks on whether ``what`` failed; raise on every rank if it failed on any."""
-    if _world() > 1:
-        messages: list[str | None] = [None] * _world()
-        dist.all_gather_object(messages, None if error is None else f"{type(error).__name__}: {error}")
-        failed = [(r, m) for r, m in enumerate(messages) if m is not None]
-    else:
-        failed = [(0, f"{type(error).__name__}: {error}")] if error is not None else []
-    if error is not None:
-        raise error
-    if failed:
-        rank, message = failed[0]
-        raise RuntimeError(f"{what} failed on rank {rank}: {message}")

@@ -39,6 +39,7 @@ import torch.distributed as dist
 from torch import nn
 
 from hf_zero.distributed import device as accel
+from hf_zero.distributed.collectives import agree_on_error as _agree_on_error, broadcast_object
 from hf_zero.engine.scalar_params import lifted_keys
 from hf_zero.checkpoint.export16 import (
     save_model_config,
@@ -87,29 +88,10 @@ def _world() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
-def _broadcast(obj: Any) -> Any:
-    if _world() == 1:
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
 def agree_on_error(error: BaseException | None, what: str) -> None:
-    """Raise on every rank when ``what`` failed on any rank, so no rank waits in a later collective.
-
-    Every rank must call it (it gathers each rank's error), also the ranks that did nothing.
-    """
-    if _world() > 1:
-        messages: list[str | None] = [None] * _world()
-        dist.all_gather_object(messages, None if error is None else f"{type(error).__name__}: {error}")
-    else:
-        messages = [None if error is None else repr(error)]
-    if error is not None:
-        raise error
-    for rank, message in enumerate(messages):
-        if message is not None:
-            raise CheckpointError(f"{what} failed on rank {rank}: {message}")
+    """:func:`hf_zero.distributed.collectives.agree_on_error` raising :class:`CheckpointError` on
+    the ranks that did not fail. Every rank must call it."""
+    _agree_on_error(error, what, error_type=CheckpointError)
 
 
 @contextlib.contextmanager
@@ -290,7 +272,7 @@ def save_checkpoint(engine: Any, checkpoint_dir: str | os.PathLike, *, extra_sta
 
     rank = _rank()
     final = os.path.abspath(os.fspath(checkpoint_dir))
-    tmp = f"{final}.tmp-{_broadcast(uuid.uuid4().hex[:12])}"
+    tmp = f"{final}.tmp-{broadcast_object(uuid.uuid4().hex[:12])}"
     module = unwrap_model(engine)
     started = time.perf_counter()
 

@@ -5,7 +5,14 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-__all__ = ["all_reduce_flag", "all_reduce_max_float", "broadcast_object", "collective_device", "on_mesh_device"]
+__all__ = [
+    "agree_on_error",
+    "all_reduce_flag",
+    "all_reduce_max_float",
+    "broadcast_object",
+    "collective_device",
+    "on_mesh_device",
+]
 
 
 def all_reduce_flag(flag: bool | torch.Tensor, device: torch.device) -> bool:
@@ -33,6 +40,47 @@ def collective_device(group=None) -> torch.device:
     if "gloo" in backend or "cpu" in backend or not device.accelerator_available():
         return torch.device("cpu")
     return device.current_device()
+
+
+def agree_on_error(
+    error: BaseException | None,
+    what: str,
+    *,
+    error_type: type[Exception] = RuntimeError,
+    group: dist.ProcessGroup | None = None,
+) -> None:
+    """Raise on every rank when ``what`` failed on any rank, so no rank waits in a later collective.
+
+    Every rank must call it, with ``error=None`` when its part went well (also the ranks that did
+    nothing). Costs one scalar all-reduce when no rank failed, plus an all-gather of the messages
+    when one did. The failing rank re-raises its own exception (with its traceback); the others
+    raise ``error_type`` quoting it, so every rank's log names the path or setting at fault.
+
+    Example::
+
+        error = None
+        if rank == 0:
+            try:
+                write_files(out)
+            except Exception as exc:  # a full disk: every rank must hear of it
+                error = exc
+        agree_on_error(error, f"writing {out}", error_type=CheckpointError)
+    """
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        if error is not None:
+            raise error
+        return
+    flag = torch.tensor([0.0 if error is None else 1.0], device=collective_device(group))
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+    if float(flag.item()) == 0.0:
+        return
+    messages: list[str | None] = [None] * dist.get_world_size(group)
+    mine = None if error is None else f"{type(error).__name__}: {error}"
+    dist.all_gather_object(messages, mine, group=group)
+    if error is not None:
+        raise error
+    rank, message = next((r, m) for r, m in enumerate(messages) if m is not None)
+    raise error_type(f"{what} failed on rank {rank}: {message}")
 
 
 def broadcast_object(obj, src: int = 0):

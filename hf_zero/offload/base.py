@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from hf_zero.distributed import device as accel
-from hf_zero.distributed.collectives import collective_device
+from hf_zero.distributed.collectives import agree_on_error as _agree_on_error
 
 __all__ = [
     "KINDS",
@@ -177,35 +177,10 @@ def _allocate(nbytes_: int, pin: bool) -> torch.Tensor:
     return accel.pinned_empty(nbytes_).zero_()
 
 
-def _world() -> int:
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-
-
 def agree_on_error(error: BaseException | None, what: str, *, group: dist.ProcessGroup | None = None) -> None:
-    """Raise on every rank when ``what`` failed on any rank.
-
-    Costs one scalar all-reduce when no rank failed (the common case), plus an all-gather of the
-    messages when one did. The failing rank re-raises its own exception (with its traceback); the
-    others raise :class:`OffloadError` quoting it, so every rank's log names the path at fault.
-
-    Every rank must call it, with ``error=None`` when its part went well.
-    """
-    if _world() == 1:
-        if error is not None:
-            raise error
-        return
-    flag = torch.tensor([0.0 if error is None else 1.0], device=collective_device(group))
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
-    if float(flag.item()) == 0.0:
-        return
-    messages: list[str | None] = [None] * dist.get_world_size(group)
-    mine = None if error is None else f"{type(error).__name__}: {error}"
-    dist.all_gather_object(messages, mine, group=group)
-    if error is not None:
-        raise error
-    failed = [(rank, m) for rank, m in enumerate(messages) if m is not None]
-    rank, message = failed[0]
-    raise OffloadError(f"{what} failed on rank {rank}: {message}")
+    """:func:`hf_zero.distributed.collectives.agree_on_error` raising :class:`OffloadError` on the
+    ranks that did not fail."""
+    _agree_on_error(error, what, error_type=OffloadError, group=group)
 
 
 def first_error(errors: Iterable[BaseException | None]) -> BaseException | None:
