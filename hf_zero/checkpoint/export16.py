@@ -1,34 +1,37 @@
 """Export the full weights of a (possibly sharded) model as safetensors that ``from_pretrained`` loads.
 
-``save_16bit_model`` is what ``stage3_gather_16bit_weights_on_model_save`` asks for: every rank
-gathers the full weights **one tensor at a time** (``DTensor.full_tensor()`` is a collective, so
-every rank calls it in the same order), and only the writing rank keeps a CPU copy, one
-safetensors shard at a time, so host memory on that rank peaks at one shard (``max_shard_size``),
-not the whole model.
+``save_16bit_model`` is what ``stage3_gather_16bit_weights_on_model_save`` asks for and what
+``ZeroTrainer.save_model`` writes: every rank gathers the full weights **one tensor at a time**
+(``DTensor.full_tensor()`` is a collective, so every rank calls it in the same order), and the
+writing rank appends each tensor to its safetensors file as soon as it has it
+(:mod:`~hf_zero.checkpoint.safetensors_stream`), so host memory on that rank peaks at about one
+tensor, never the whole model.
 
-The output is what ``transformers``' ``save_pretrained`` writes: ``model.safetensors``, or
-``model-00001-of-0000N.safetensors`` shards plus ``model.safetensors.index.json``, and
-``config.json`` / ``generation_config.json``; tied weights are written once (the tied copy is
-re-tied by ``from_pretrained``). For a peft model only the adapter is written
-(``adapter_model.safetensors`` + ``adapter_config.json``, keys as ``get_peft_model_state_dict``
-makes them), which ``PeftModel.from_pretrained(base, dir)`` loads.
+The output is what ``transformers``' ``save_pretrained`` writes (:mod:`~hf_zero.checkpoint.pretrained_files`):
+``model.safetensors``, or ``model-00001-of-0000N.safetensors`` shards plus
+``model.safetensors.index.json``, and ``config.json`` / ``generation_config.json`` (and a
+remote-code model's ``*.py``); tied weights are written once (the tied copy is re-tied by
+``from_pretrained``), ``_keys_to_ignore_on_save`` are left out, and weights transformers 5 re-lays
+out on load are written back in the checkpoint layout (:mod:`~hf_zero.checkpoint.save_conversions`).
+For a peft model only the adapter is written (``adapter_model.safetensors`` +
+``adapter_config.json``, keys as ``get_peft_model_state_dict`` makes them), which
+``PeftModel.from_pretrained(base, dir)`` loads.
 
 Writes are atomic: files are written into a temporary directory next to ``output_dir`` and moved
-in, weights first and the file that makes the set complete (the index, or the adapter config) last;
+in (the whole directory by one rename when ``output_dir`` does not exist yet; else file by file,
+weights first and the file that makes the set complete, the index or the adapter config, last);
 an interrupted export never leaves a complete-looking but partial model.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
-import json
 import logging
+import math
 import os
-import re
 import shutil
-import uuid
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -36,6 +39,24 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from hf_zero.checkpoint.pretrained_files import (  # noqa: F401  (re-exported for older imports)
+    ADAPTER_CONFIG_NAME,
+    ADAPTER_WEIGHTS_NAME,
+    CONFIG_NAME,
+    GENERATION_CONFIG_NAME,
+    WEIGHTS_INDEX_NAME,
+    WEIGHTS_NAME,
+    ShardPlan,
+    is_weight_file,
+    make_temp_dir,
+    plan_shards,
+    publish_files,
+    save_model_config,
+    write_json,
+    write_safetensors,
+)
+from hf_zero.checkpoint.safetensors_stream import SafetensorsStreamWriter
+from hf_zero.checkpoint.save_conversions import save_key_map
 from hf_zero.distributed.collectives import agree_on_error, on_mesh_device
 from hf_zero.engine.scalar_params import lifted_keys, restore_scalar_keys
 
@@ -50,15 +71,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger("hf_zero")
-
-WEIGHTS_NAME = "model.safetensors"
-WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
-ADAPTER_WEIGHTS_NAME = "adapter_model.safetensors"
-ADAPTER_CONFIG_NAME = "adapter_config.json"
-CONFIG_NAME = "config.json"
-GENERATION_CONFIG_NAME = "generation_config.json"
-# transformers' shard names: model-00001-of-00003.safetensors
-_SHARD_RE = re.compile(r"^model-\d{5}-of-\d{5}\.safetensors$")
 
 _DTYPE_NAMES = {
     "fp32": torch.float32,
@@ -177,11 +189,20 @@ def gather_full_state_dict(
     Returns:
         On rank 0, ``{key: cpu tensor}`` in state-dict order; on other ranks ``{}``.
     """
-    resident = getattr(model, "params_resident", None)  # a ZeroEngine: NVMe-swapped shards back first
+    with _params_resident(model):
+        module = unwrap_model(model)
+        return _gather_state(module, dtype, state_dict_filter)
+
+
+def _params_resident(model: Any) -> contextlib.AbstractContextManager:
+    """Given a ``ZeroEngine``, its NVMe-swapped parameter shards read back for the gather."""
+    resident = getattr(model, "params_resident", None)
     if callable(resident) and not isinstance(model, nn.Module):
-        with resident():
-            return gather_full_state_dict(unwrap_model(model), dtype, state_dict_filter=state_dict_filter)
-    module = unwrap_model(model)
+        return resident()
+    return contextlib.nullcontext()
+
+
+def _gather_state(module: nn.Module, dtype, state_dict_filter) -> dict[str, torch.Tensor]:
     dtype = resolve_dtype(dtype)
     state = module.state_dict(keep_vars=True)
     names = [n for n in state if isinstance(state[n], torch.Tensor) and (state_dict_filter is None or state_dict_filter(n))]
@@ -238,103 +259,6 @@ def peft_adapter_key_map(module: nn.Module) -> dict[str, str] | None:
     return mapping
 
 
-# ----------------------------------------------------------------------------------------------- files
-@dataclass(frozen=True)
-class ShardPlan:
-    """Which keys go to which file (``filename -> [keys]``) and, when sharded, the index to write."""
-
-    files: dict[str, list[str]]
-    index: dict[str, Any] | None
-
-
-def plan_shards(
-    sizes: dict[str, int], max_shard_size: int | str, *, weights_name: str = WEIGHTS_NAME, total_parameters: int | None = None
-) -> ShardPlan:
-    """Split keys (in order, with their byte sizes) into files the way ``save_pretrained`` names them."""
-    from huggingface_hub import split_state_dict_into_shards_factory
-
-    pattern = weights_name.replace(".safetensors", "{suffix}.safetensors")
-    split = split_state_dict_into_shards_factory(
-        sizes, get_storage_size=lambda n: n, filename_pattern=pattern, max_shard_size=max_shard_size
-    )
-    files = {f: list(keys) for f, keys in split.filename_to_tensors.items()}
-    if not split.is_sharded:
-        return ShardPlan(files={weights_name: [k for keys in files.values() for k in keys]}, index=None)
-    metadata: dict[str, Any] = dict(split.metadata)
-    if total_parameters is not None:
-        metadata = {"total_parameters": total_parameters, **metadata}
-    return ShardPlan(files=files, index={"metadata": metadata, "weight_map": dict(split.tensor_to_filename)})
-
-
-def write_safetensors(path: str, tensors: dict[str, torch.Tensor]) -> None:
-    """Write one safetensors file with transformers' ``{"format": "pt"}`` metadata."""
-    from safetensors.torch import save_file
-
-    save_file({k: v.contiguous() for k, v in tensors.items()}, path, metadata={"format": "pt"})
-
-
-def write_json(path: str, obj: Any) -> None:
-    with open(path, "w", encoding="utf-8") as f:
-        f.write(json.dumps(obj, indent=2, sort_keys=True) + "\n")
-
-
-def make_temp_dir(target: str) -> str:
-    """An empty directory next to ``target`` (same filesystem, so files move in by rename)."""
-    target = os.path.abspath(target)
-    parent, base = os.path.split(target.rstrip(os.sep))
-    os.makedirs(parent, exist_ok=True)
-    tmp = os.path.join(parent, f".{base}.tmp-{uuid.uuid4().hex[:12]}")
-    os.makedirs(tmp)
-    return tmp
-
-
-def publish_files(tmp_dir: str, output_dir: str, order: list[str], *, stale: Callable[[str], bool] | None = None) -> None:
-    """Move the files ``order`` from ``tmp_dir`` into ``output_dir`` one by one, in that order.
-
-    Put the file that makes the output complete (index, adapter config) last. Before moving, files
-    of a previous export that the new one does not replace and that would make a mixed set look
-    complete (``stale(name)`` true: an old index, shards of another count) are removed; an empty
-    ``output_dir`` is replaced by renaming the whole temporary directory.
-    """
-    output_dir = os.path.abspath(output_dir)
-    if not os.path.exists(output_dir):
-        os.replace(tmp_dir, output_dir)
-        return
-    new = set(order)
-    if stale is not None:
-        for name in sorted(os.listdir(output_dir)):
-            if name not in new and stale(name) and os.path.isfile(os.path.join(output_dir, name)):
-                os.remove(os.path.join(output_dir, name))
-    for name in order:
-        os.replace(os.path.join(tmp_dir, name), os.path.join(output_dir, name))
-    shutil.rmtree(tmp_dir, ignore_errors=True)
-
-
-def _is_weight_file(name: str) -> bool:
-    return name in (WEIGHTS_NAME, WEIGHTS_INDEX_NAME) or bool(_SHARD_RE.match(name))
-
-
-def save_model_config(module: nn.Module, directory: str, dtype: torch.dtype | None) -> list[str]:
-    """``config.json`` (and ``generation_config.json``) as ``save_pretrained`` writes them."""
-    config = getattr(module, "config", None)
-    written: list[str] = []
-    if config is None or not hasattr(config, "save_pretrained"):
-        return written
-    config = copy.deepcopy(config)
-    # save_pretrained records the class and the saved dtype; FSDP2 renames the class FSDP<Name>.
-    config.architectures = [type(module).__name__.removeprefix("FSDP")]
-    if dtype is not None:
-        config.dtype = str(dtype).removeprefix("torch.")
-    config.save_pretrained(directory)
-    written.append(CONFIG_NAME)
-    can_generate = getattr(module, "can_generate", None)
-    generation_config = getattr(module, "generation_config", None)
-    if generation_config is not None and callable(can_generate) and can_generate():
-        generation_config.save_pretrained(directory)
-        written.append(GENERATION_CONFIG_NAME)
-    return written
-
-
 # ----------------------------------------------------------------------------------------------- export
 def save_16bit_model(
     model: Any,
@@ -346,11 +270,17 @@ def save_16bit_model(
     safe_serialization: bool = True,
     state_dict_filter: Callable[[str], bool] | None = None,
     save_config: bool = True,
+    extra_files: Callable[[str], Iterable[str]] | None = None,
+    progress: bool = False,
 ) -> list[str]:
     """Gather the full weights and write them as a ``from_pretrained``-loadable directory.
 
     Every rank must call it, in the same order as the other collectives; only the main process
-    writes. For a peft model only the active adapter is written.
+    writes. For a peft model only the active adapter is written. The main process holds one
+    tensor at a time: each file's header is written first (shapes are known before gathering) and
+    every tensor is appended as soon as it is gathered, so a 70B model saves on a host that could
+    not hold it. Weights that transformers 5 re-lays out on load (fused MoE experts) are written in
+    the original layout, as ``save_pretrained`` writes them.
 
     Args:
         model: the model (FSDP2-sharded at stages 2/3, plain or DDP-wrapped at stages 0/1) or a
@@ -365,6 +295,10 @@ def save_16bit_model(
         safe_serialization: must be True (safetensors is the only format written).
         state_dict_filter: export only the keys for which it returns True.
         save_config: also write ``config.json`` and ``generation_config.json`` (full models).
+        extra_files: called on the main process with the temporary directory before anything is
+            published; writes more files there (a tokenizer, ``training_args.bin``) and returns
+            their names, so they appear together with the weights.
+        progress: show a progress bar over the tensors on the main process.
 
     Returns:
         The file names written into ``output_dir`` (on the main process; ``[]`` elsewhere).
@@ -375,73 +309,119 @@ def save_16bit_model(
     """
     if not safe_serialization:
         raise ValueError("hf_zero writes safetensors only; pass safe_serialization=True")
-    module = unwrap_model(model)
-    dtype = resolve_dtype(dtype)
-    if is_main_process is None:
-        is_main_process = _rank() == 0
-    output_dir = os.fspath(output_dir)
+    with _params_resident(model):
+        return _save_16bit(unwrap_model(model), os.fspath(output_dir), resolve_dtype(dtype), max_shard_size,
+                           _rank() == 0 if is_main_process is None else is_main_process,
+                           state_dict_filter, save_config, extra_files, progress)
 
+
+def _save_16bit(module, output_dir, dtype, max_shard_size, is_main_process, state_dict_filter, save_config,
+                extra_files, progress) -> list[str]:
     adapter_keys = peft_adapter_key_map(module)
     state = module.state_dict(keep_vars=True)
+    ignored = set(getattr(module, "_keys_to_ignore_on_save", None) or ())
     if adapter_keys is not None:
         names = [n for n in state if n in adapter_keys and (state_dict_filter is None or state_dict_filter(n))]
         weights_name = ADAPTER_WEIGHTS_NAME
     else:
-        names = [n for n in state if isinstance(state[n], torch.Tensor) and (state_dict_filter is None or state_dict_filter(n))]
+        names = [
+            n for n in state
+            if isinstance(state[n], torch.Tensor) and n not in ignored and (state_dict_filter is None or state_dict_filter(n))
+        ]
         weights_name = WEIGHTS_NAME
     dropped = {n for group in tied_groups(module, names) for n in group[1:]}
     names = [n for n in names if n not in dropped]
     lifted = lifted_keys(module)  # 0-dim parameters stored as (1,) for FSDP2: saved as they were
     out_key = (lambda n: adapter_keys[n]) if adapter_keys is not None else (lambda n: lifted.get(n, n))
+    source_of = {out_key(n): n for n in names}
 
-    def nbytes(n: str) -> int:
+    def entry(n: str) -> tuple[tuple[int, ...], torch.dtype]:
         t = state[n]
-        itemsize = (dtype.itemsize if dtype is not None and t.is_floating_point() else t.element_size())
-        return t.numel() * itemsize
+        shape = () if n in lifted else tuple(t.shape)
+        return shape, (dtype if dtype is not None and t.is_floating_point() else t.dtype)
 
+    entries = {out_key(n): entry(n) for n in names}
+    keymap = save_key_map(module, entries, enabled=adapter_keys is None)
     plan = plan_shards(
-        {out_key(n): nbytes(n) for n in names},
+        {k: math.prod(shape) * dt.itemsize for k, (shape, dt) in entries.items()},
         max_shard_size if adapter_keys is None else 1 << 62,  # peft loads one adapter file
         weights_name=weights_name,
         total_parameters=sum(state[n].numel() for n in names),
     )
-    source_of = {out_key(n): n for n in names}
 
     error: BaseException | None = None
     tmp: str | None = None
     written: list[str] = []
+    weight_map: dict[str, str] = {}
+    bar = _progress_bar(len(names), progress and is_main_process)
     try:
         if is_main_process:
             tmp = make_temp_dir(output_dir)
         for filename, keys in plan.files.items():
-            shard: dict[str, torch.Tensor] = {}
-            for key in keys:  # every rank walks the same keys in the same order (collectives)
-                tensor = _gather_one(state[source_of[key]], dtype, keep=is_main_process and error is None)
-                if tensor is not None and source_of[key] in lifted:
-                    tensor = tensor.reshape(())
-                if tensor is not None:
-                    shard[key] = tensor
+            groups = keymap.groups(keys)
+            writer = None
             if is_main_process and error is None:
+                header = {k: v for group in groups for k, v in keymap.outputs(group).items()}
                 try:
-                    write_safetensors(os.path.join(tmp, filename), shard)
+                    writer = SafetensorsStreamWriter(os.path.join(tmp, filename), header, metadata={"format": "pt"})
                 except BaseException as exc:  # keep gathering so the other ranks do not hang
                     error = exc
-            del shard
+                weight_map.update(dict.fromkeys(header, filename))
+            for group in groups:  # every rank walks the same keys in the same order (collectives)
+                keep = writer is not None and error is None
+                gathered: dict[str, torch.Tensor] = {}
+                for key in group:
+                    tensor = _gather_one(state[source_of[key]], dtype, keep=keep)
+                    if tensor is not None:
+                        gathered[key] = tensor.reshape(()) if source_of[key] in lifted else tensor
+                bar.update(len(group))
+                if keep:
+                    try:
+                        for name, tensor in keymap.convert(gathered).items():
+                            writer.write(name, tensor)
+                    except BaseException as exc:
+                        error = exc
+                del gathered
+            if writer is not None:
+                try:
+                    writer.close() if error is None else writer.abort()
+                except BaseException as exc:
+                    error = exc
         if is_main_process and error is None:
-            written = _finish_export(module, tmp, output_dir, plan, adapter_keys is not None, save_config, dtype)
+            index = plan.index
+            if index is not None and keymap.converts:  # file keys differ from the state dict's
+                index = {**index, "weight_map": weight_map}
+            written = _finish_export(module, tmp, output_dir, plan.files, index, adapter_keys is not None,
+                                     save_config, dtype, extra_files)
     except BaseException as exc:
         error = exc
+    finally:
+        bar.close()
     if tmp is not None and error is not None:
         shutil.rmtree(tmp, ignore_errors=True)
     agree_on_error(error, f"saving the model to {output_dir}")
     return written if is_main_process else []
 
 
+def _progress_bar(total: int, enabled: bool):
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc="Saving model", unit="tensor", disable=not enabled)
+
+
 def _finish_export(
-    module: nn.Module, tmp: str, output_dir: str, plan: ShardPlan, is_adapter: bool, save_config: bool, dtype
+    module: nn.Module,
+    tmp: str,
+    output_dir: str,
+    files: dict[str, list[str]],
+    index: dict[str, Any] | None,
+    is_adapter: bool,
+    save_config: bool,
+    dtype: torch.dtype | None,
+    extra_files: Callable[[str], Iterable[str]] | None,
 ) -> list[str]:
-    weights = list(plan.files)
-    extra: list[str] = []
+    weights = list(files)
+    extra: list[str] = list(extra_files(tmp)) if extra_files is not None else []
     if is_adapter:
         peft_config = copy.deepcopy(module.peft_config[module.active_adapter])
         # As PeftModel.save_pretrained: the saved config is for inference and names its base model.
@@ -454,12 +434,13 @@ def _finish_export(
         stale = lambda name: name in (ADAPTER_WEIGHTS_NAME, ADAPTER_CONFIG_NAME)  # noqa: E731
     else:
         if save_config:
-            extra = save_model_config(module, tmp, dtype)
+            extra += [n for n in save_model_config(module, tmp, dtype) if n not in extra]
         last = []
-        if plan.index is not None:
-            write_json(os.path.join(tmp, WEIGHTS_INDEX_NAME), plan.index)
+        if index is not None:
+            write_json(os.path.join(tmp, WEIGHTS_INDEX_NAME), index)
             last = [WEIGHTS_INDEX_NAME]
-        stale = _is_weight_file
-    order = weights + extra + last
+        stale = is_weight_file
+    # The tokenizer and config go in before the weights, and the file that completes the set last.
+    order = [n for n in extra if n not in weights + last] + weights + last
     publish_files(tmp, output_dir, order, stale=stale)
     return order

@@ -120,6 +120,12 @@ class ZeroTrainerMixin:
             resolve_auto(self._zero_config(), training_args=self.args, world_size=self.args.world_size)
             if self._zero_config().stage >= 1 and getattr(self.args, "fsdp", None):
                 raise ValueError("--fsdp and --zero_config both shard the model; pass only one of them")
+            if self.args.should_save:
+                # A save killed between moving checkpoint-N aside and renaming its successor in
+                # (filesystems without an atomic swap): checkpoint-N is put back before any resume.
+                from hf_zero.checkpoint.atomic_dir import recover_replaced
+
+                recover_replaced(self.args.output_dir)
 
     # ------------------------------------------------------------------------------- set-up
     def _zero_config(self):
@@ -271,8 +277,6 @@ class ZeroTrainerMixin:
         engine = self.zero_engine
         if engine is None:
             return super().save_model(output_dir, _internal_call)
-        from hf_zero.checkpoint.export16 import gather_full_state_dict
-
         gather = engine.config.zero_optimization.gather_16bit_weights_on_model_save or engine.config.stage < 3
         if not gather:
             if not _internal_call:
@@ -289,17 +293,50 @@ class ZeroTrainerMixin:
             # The adapter is all that is written; gathering the frozen base would cost a full copy.
             trainable = {n for n, p in self.model.named_parameters() if p.requires_grad}
             key_filter = trainable.__contains__
-        with engine.params_resident():  # NVMe-swapped parameter shards are read back first
-            state = gather_full_state_dict(self.model, dtype=engine.precision.compute_dtype, state_dict_filter=key_filter)
-        from hf_zero.checkpoint.sharded import agree_on_error
+        from hf_zero.checkpoint.export16 import save_16bit_model
 
-        error = None
-        if self.args.should_save:
-            try:
-                self._save(output_dir, state_dict=state)
-            except Exception as exc:  # e.g. a full disk: every rank must hear of it, not wait
-                error = exc
-        agree_on_error(error, f"writing the model to {output_dir}")
+        # One tensor at a time on the writing rank (not the whole model, as save_pretrained would
+        # need), into a folder beside output_dir that is renamed in when complete.
+        save_16bit_model(
+            engine,
+            output_dir,
+            dtype=engine.precision.compute_dtype,
+            max_shard_size=self._save_max_shard_size(),
+            is_main_process=self.args.should_save,
+            state_dict_filter=key_filter,
+            extra_files=self._write_trainer_files,
+            progress=not _internal_call and not self.args.disable_tqdm,
+        )
+
+    save_max_shard_size: int | str | None = None
+    """Largest weights file ``save_model`` writes; None: what ``save_pretrained`` uses by default."""
+
+    def _save_max_shard_size(self) -> int | str:
+        if self.save_max_shard_size is not None:
+            return self.save_max_shard_size
+        import inspect
+
+        from hf_zero.checkpoint.export16 import unwrap_model
+
+        save_pretrained = getattr(unwrap_model(self.model), "save_pretrained", None)
+        try:
+            default = inspect.signature(save_pretrained).parameters["max_shard_size"].default
+        except (TypeError, ValueError, KeyError):  # not a PreTrainedModel: one file unless it is huge
+            default = inspect.Parameter.empty
+        return default if isinstance(default, (int, str)) else "5GB"
+
+    def _write_trainer_files(self, directory: str) -> list[str]:
+        """What ``Trainer._save`` writes beside the weights: the tokenizer/processor and the
+        arguments (``training_args.bin``, which hf_zero itself never reads back)."""
+        from transformers.trainer import TRAINING_ARGS_NAME
+
+        before = set(os.listdir(directory))
+        if self.processing_class is not None:
+            self.processing_class.save_pretrained(directory)
+        elif getattr(self.data_collator, "tokenizer", None) is not None:
+            self.data_collator.tokenizer.save_pretrained(directory)
+        torch.save(self.args, os.path.join(directory, TRAINING_ARGS_NAME))
+        return sorted(set(os.listdir(directory)) - before)
 
     def _save_zero_state(self, output_dir: str) -> None:
         from hf_zero.checkpoint.sharded import save_checkpoint
@@ -320,11 +357,13 @@ class ZeroTrainerMixin:
         run_dir = self._get_output_dir(trial=trial)
         final_dir = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
         work_dir = final_dir + ".incomplete"
+        from hf_zero.checkpoint.atomic_dir import recover_replaced, replace_directory
         from hf_zero.checkpoint.sharded import agree_on_error
 
         error = None
         if self.args.should_save:
             try:
+                recover_replaced(run_dir)
                 shutil.rmtree(work_dir, ignore_errors=True)
                 os.makedirs(work_dir)
             except Exception as exc:
@@ -344,10 +383,9 @@ class ZeroTrainerMixin:
                     else:
                         self.state.stateful_callbacks[name] = cb.state()
                 self.state.save_to_json(os.path.join(work_dir, TRAINER_STATE_NAME))
-                # Only now is the checkpoint complete: the rename makes it visible as checkpoint-N.
-                if os.path.exists(final_dir):
-                    shutil.rmtree(final_dir)
-                os.replace(work_dir, final_dir)
+                # Only now is the checkpoint complete: the rename makes it visible as checkpoint-N,
+                # swapped with an existing checkpoint-N so that one of them is always there.
+                replace_directory(work_dir, final_dir)
             except Exception as exc:
                 error = exc
         agree_on_error(error, f"finishing checkpoint {final_dir}")

@@ -193,15 +193,15 @@ def test_export_is_atomic_and_replaces_a_previous_export(tmp_path, monkeypatch):
     assert "model.safetensors.index.json" in first
 
     calls = []
-    original = export16.write_safetensors
 
-    def failing(path, tensors):
-        calls.append(path)
-        if len(calls) == 2:
-            raise OSError("simulated crash")
-        return original(path, tensors)
+    class Failing(export16.SafetensorsStreamWriter):  # the disk fills up while the 2nd file is written
+        def write(self, name, tensor):
+            calls.append(self.path)
+            if len(set(calls)) == 2:
+                raise OSError("simulated crash")
+            super().write(name, tensor)
 
-    monkeypatch.setattr(export16, "write_safetensors", failing)
+    monkeypatch.setattr(export16, "SafetensorsStreamWriter", Failing)
     with torch.no_grad():
         for p in model.parameters():
             p.add_(1.0)
