@@ -95,6 +95,9 @@ def make_temp_dir(target: str) -> str:
     target = os.path.abspath(target)
     parent, base = os.path.split(target.rstrip(os.sep))
     os.makedirs(parent, exist_ok=True)
+    for name in os.listdir(parent):  # left by an export that was killed
+        if name.startswith(f".{base}.tmp-"):
+            shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
     tmp = os.path.join(parent, f".{base}.tmp-{uuid.uuid4().hex[:12]}")
     os.makedirs(tmp)
     return tmp

@@ -364,7 +364,10 @@ class ZeroTrainerMixin:
         if self.args.should_save:
             try:
                 recover_replaced(run_dir)
-                shutil.rmtree(work_dir, ignore_errors=True)
+                # Work folders of saves that were killed: never complete, and as big as a checkpoint.
+                for name in os.listdir(run_dir) if os.path.isdir(run_dir) else ():
+                    if name.startswith(f"{PREFIX_CHECKPOINT_DIR}-") and name.endswith(".incomplete"):
+                        shutil.rmtree(os.path.join(run_dir, name), ignore_errors=True)
                 os.makedirs(work_dir)
             except Exception as exc:
                 error = exc
