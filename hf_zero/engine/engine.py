@@ -26,6 +26,7 @@ from hf_zero.distributed.collectives import all_reduce_flag, on_mesh_device
 from hf_zero.distributed.env import DistEnv
 from hf_zero.engine.optimizer_recipe import OptimizerRecipe
 from hf_zero.engine.stages import Stage, local_tensor, make_stage
+from hf_zero.optim.schedulers import steps_on_metrics
 from hf_zero.precision.policy import PrecisionPolicy
 
 __all__ = ["ZeroEngine"]
@@ -44,7 +45,8 @@ class ZeroEngine:
     Attributes:
         module: the user's model (sharded in place at stages 2/3).
         optimizer: the optimizer the engine steps (a ``ZeroRedundancyOptimizer`` at stage 1).
-        lr_scheduler: the scheduler stepped after each successful optimizer step, or None.
+        lr_scheduler: the scheduler stepped after each successful optimizer step, or None; one
+            whose ``step()`` takes a metric (``ReduceLROnPlateau``) is the caller's to step.
         config: the resolved :class:`~hf_zero.config.schema.ZeroConfig`.
         global_steps: optimizer steps taken, overflow-skipped steps included (as DeepSpeed counts).
         skipped_steps: steps skipped because fp16 gradients overflowed.
@@ -395,8 +397,8 @@ class ZeroEngine:
                     self._clip_grads(self.gradient_clipping, norm)
                 self._window_grad_norm = float(norm)
             self.optimizer.step()
-            if self.lr_scheduler is not None:
-                self.lr_scheduler.step()
+            if self.lr_scheduler is not None and not steps_on_metrics(self.lr_scheduler):
+                self.lr_scheduler.step()  # a plateau scheduler is stepped with a metric by the caller
         self._last_grad_norm = float("inf") if overflow else self._window_grad_norm
         self._last_step_skipped = overflow
         self.global_steps += 1

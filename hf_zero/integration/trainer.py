@@ -39,9 +39,9 @@ TRAINER_STATE_NAME = "trainer_state.json"
 class _EngineOptimizer:
     """What the Trainer loop calls ``self.optimizer``: the engine's update behind ``step()``."""
 
-    def __init__(self, engine, scheduler: _EngineScheduler):
+    def __init__(self, engine, scheduler: _EngineScheduler | None):
         self.engine = engine
-        self.scheduler = scheduler
+        self.scheduler = scheduler  # None when the loop steps the real scheduler itself (plateau)
 
     @property
     def param_groups(self):
@@ -57,7 +57,8 @@ class _EngineOptimizer:
 
     def step(self, closure=None):
         self.engine.optimizer_step()
-        self.scheduler.lagging = True
+        if self.scheduler is not None:
+            self.scheduler.lagging = True
 
     def zero_grad(self, set_to_none: bool = True):
         self.engine.zero_grad()
@@ -197,8 +198,16 @@ class ZeroTrainerMixin:
                 "the model was sharded for evaluation before train(); build the ZeroTrainer anew to train it"
             )
         engine = self.zero_engine
-        self.lr_scheduler = _EngineScheduler(engine)
-        self.optimizer = _EngineOptimizer(engine, self.lr_scheduler)
+        from hf_zero.optim.schedulers import steps_on_metrics
+
+        if engine.lr_scheduler is not None and steps_on_metrics(engine.lr_scheduler):
+            # ReduceLROnPlateau & co.: the loop knows them by type and steps them with the eval
+            # metric, as with the plain Trainer; the engine leaves them alone.
+            self.lr_scheduler = engine.lr_scheduler
+            self.optimizer = _EngineOptimizer(engine, None)
+        else:
+            self.lr_scheduler = _EngineScheduler(engine)
+            self.optimizer = _EngineOptimizer(engine, self.lr_scheduler)
         self._created_lr_scheduler = False
         model = engine.forward_module
         self.model_wrapped = model

@@ -47,6 +47,7 @@ from hf_zero.config.schema import (
 )
 
 __all__ = [
+    "steps_on_metrics",
     "build_scheduler",
     "DeepSpeedLRScheduler",
     "WarmupLR",
@@ -552,3 +553,25 @@ def build_scheduler(cfg: SchedulerConfig, optimizer: torch.optim.Optimizer) -> D
             "(config/auto.py, from TrainingArguments and the number of training steps) first"
         )
     return cls(optimizer, **kwargs)
+
+
+def steps_on_metrics(scheduler: Any) -> bool:
+    """True for a scheduler whose ``step()`` takes a metric (``ReduceLROnPlateau``, transformers'
+    ``GreedyLR``): it is stepped where the metric is known (after evaluation), not after each
+    optimizer step.
+
+    >>> steps_on_metrics(torch.optim.lr_scheduler.ReduceLROnPlateau(torch.optim.SGD([torch.zeros(1)], lr=1)))
+    True
+    """
+    if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+        return True
+    import inspect
+
+    try:
+        params = list(inspect.signature(scheduler.step).parameters.values())
+    except (TypeError, ValueError, AttributeError):
+        return False
+    # A first parameter without a default (``step(self, metrics, epoch=None)``) is a metric.
+    return bool(params) and params[0].default is inspect.Parameter.empty and params[0].kind in (
+        inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+
