@@ -29,6 +29,7 @@ from hf_zero.config.schema import ZeroOptimizationConfig
 from hf_zero.distributed.env import DistEnv
 from hf_zero.engine.optimizer_recipe import OptimizerRecipe, constructor_defaults
 from hf_zero.engine.wrap_policy import find_wrap_units
+from hf_zero.engine.sharded_access import guard_direct_calls
 from hf_zero.engine.scalar_params import lift_scalar_params
 from hf_zero.precision.masters import MasterCast, cast_to_master_dtypes
 from hf_zero.precision.policy import PrecisionPolicy
@@ -222,6 +223,7 @@ class FullyShardedStage:
         self.root = model
         if self.offload is not None:
             self.offload.after_fsdp(model, self.units)
+        guard_direct_calls(model, self.stage)  # a submodule called outside forward: say what to do
         return model
 
     def build_optimizer(self, recipe: OptimizerRecipe, model: nn.Module) -> torch.optim.Optimizer:
