@@ -1,7 +1,8 @@
 """Turn a sharded hf_zero checkpoint into safetensors that ``from_pretrained`` loads, offline.
 
 Runs in one CPU process with no process group and no GPU (``hf-zero consolidate CKPT OUT``): it
-reads the DCP metadata, then reads the model's tensors shard file by shard file (memory peaks at
+reads the DCP metadata (through :mod:`hf_zero.checkpoint.safe_load`, which runs nothing from the
+checkpoint), then reads the model's tensors shard file by shard file (memory peaks at
 about one output shard, ``max_shard_size``), casts them, and writes ``model.safetensors`` or
 ``model-0000i-of-0000N.safetensors`` + ``model.safetensors.index.json``. The config, generation
 config, tokenizer and remote-code files found in the checkpoint directory are copied, so the output
@@ -30,6 +31,7 @@ from hf_zero.checkpoint.export16 import (
     write_json,
     write_safetensors,
 )
+from hf_zero.checkpoint.safe_load import SafeFileSystemReader, load_state_dict
 from hf_zero.checkpoint.sharded import CheckpointError, read_marker, resolve_checkpoint_dir
 
 __all__ = ["consolidate_checkpoint", "COPIED_FILE_PATTERNS"]
@@ -82,9 +84,9 @@ def consolidate_checkpoint(
         FileNotFoundError: ``checkpoint_dir`` does not exist.
         IncompleteCheckpointError: the checkpoint has no marker (its save did not finish).
         FileExistsError: ``output_dir`` exists and is not empty.
-        CheckpointError: the checkpoint lacks tensors its marker lists.
+        CheckpointError: the checkpoint lacks tensors its marker lists, or one of its files holds
+            something hf_zero never writes there (the error names the file; nothing from it runs).
     """
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
     from tqdm.auto import tqdm
 
@@ -96,8 +98,8 @@ def consolidate_checkpoint(
     if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
         raise FileExistsError(f"output directory {out} exists and is not empty; choose a new one")
 
-    reader = dcp.FileSystemReader(src)
-    metadata = reader.read_metadata()
+    reader = SafeFileSystemReader(src)
+    metadata = reader.read_metadata()  # read once, checked; every load below reuses it
     stored: dict[str, TensorStorageMetadata] = {
         k[len(_MODULE_PREFIX):]: v
         for k, v in metadata.state_dict_metadata.items()
@@ -151,7 +153,7 @@ def consolidate_checkpoint(
             }
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # "torch.distributed is disabled ... single process"
-                dcp.load(request, storage_reader=dcp.FileSystemReader(src), no_dist=True)
+                load_state_dict(request, reader, no_dist=True)
             shard = {}
             for k in keys:
                 value = request.pop(_MODULE_PREFIX + source_of[k]).to(out_dtype(source_of[k]))

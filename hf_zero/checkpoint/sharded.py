@@ -38,6 +38,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from hf_zero.checkpoint.errors import CheckpointError, IncompleteCheckpointError, refused_file
+from hf_zero.checkpoint.safe_load import SafeFileSystemReader, load_state_dict, load_torch_file
 from hf_zero.distributed import device as accel
 from hf_zero.distributed.collectives import agree_on_error as _agree_on_error, broadcast_object
 from hf_zero.engine.scalar_params import lifted_keys
@@ -69,14 +71,6 @@ FORMAT_NAME = "hf_zero.sharded"
 FORMAT_VERSION = 1
 # Files DCP writes; with ours they are what a new save replaces in an existing directory.
 _DCP_METADATA = ".metadata"
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint cannot be saved or loaded; the message names the path and what to do."""
-
-
-class IncompleteCheckpointError(CheckpointError, FileNotFoundError):
-    """The directory exists but has no marker: its save did not finish."""
 
 
 # ----------------------------------------------------------------------------------------------- ranks
@@ -425,23 +419,29 @@ def load_checkpoint(engine: Any, checkpoint_dir: str | os.PathLike) -> dict | No
     Raises:
         FileNotFoundError: ``checkpoint_dir`` does not exist.
         IncompleteCheckpointError: it has no marker (the save did not finish).
-        CheckpointError: it was saved from another model, or misses optimizer state this engine needs.
+        CheckpointError: it was saved from another model, or misses optimizer state this engine
+            needs, or one of its files holds something hf_zero never writes there (the error
+            names the file; nothing from it has run: see :mod:`hf_zero.checkpoint.safe_load`).
     """
-    import torch.distributed.checkpoint as dcp
-
     path = os.path.abspath(os.fspath(checkpoint_dir))
     error: BaseException | None = None
     info: dict[str, Any] = {}
     module = unwrap_model(engine)
+    reader: SafeFileSystemReader | None = None
     try:
         path = resolve_checkpoint_dir(path)
         info = read_marker(path)
         _check_model_matches(info, module, path)
         if engine.optimizer is not None and not info.get("has_optimizer", True):
             raise CheckpointError(f"{path} has no optimizer state (saved by an engine without an optimizer)")
+        # The metadata is read (and refused, if crafted) here, where every rank hears of a
+        # refusal, rather than inside DCP's collectives.
+        reader = SafeFileSystemReader(path)
+        reader.read_metadata()
     except BaseException as exc:
         error = exc
     agree_on_error(error, f"reading {path}")
+    assert reader is not None
 
     state = _portable_state(engine, module)
     local_groups = _local_param_groups(engine, module) if "optimizer" in state else None
@@ -449,7 +449,7 @@ def load_checkpoint(engine: Any, checkpoint_dir: str | os.PathLike) -> dict | No
         # DCP warns about keys it reshards and about the FSDP2 state-dict API being new.
         warnings.simplefilter("ignore", UserWarning)
         with _dcp_errors(f"reading {path}"):
-            dcp.load(state, storage_reader=dcp.FileSystemReader(path))
+            load_state_dict(state, reader)
     if local_groups is not None:
         state["optimizer"]["param_groups"] = _restore_param_groups(
             engine, module, local_groups, state["optimizer"]["param_groups"]
@@ -457,7 +457,13 @@ def load_checkpoint(engine: Any, checkpoint_dir: str | os.PathLike) -> dict | No
     engine.load_state_dict(state)
     del state
 
-    if not load_rng_state(path):
+    restored = False
+    try:
+        restored = load_rng_state(path)
+    except BaseException as exc:  # a refused RNG file on one rank: the others must not train on
+        error = exc
+    agree_on_error(error, f"restoring the RNG states of {path}")
+    if not restored:
         logger.info(
             "hf_zero: %s has no RNG state for rank %d (saved on %d ranks); this rank keeps its own",
             path, _rank(), info.get("world_size"),
@@ -483,11 +489,19 @@ def load_rng_state(checkpoint_dir: str | os.PathLike) -> bool:
     Returns:
         True if this rank's states were in the checkpoint and are restored; False if the saving
         run had fewer ranks (this rank keeps its own generators).
+
+    Raises:
+        CheckpointError: the file holds anything but the states hf_zero saves (it is read with
+            ``torch.load(weights_only=True)``, so nothing in it runs).
     """
     path = os.path.join(os.fspath(checkpoint_dir), RNG_NAME.format(rank=_rank()))
     if not os.path.exists(path):
         return False
-    _set_rng_state(torch.load(path, weights_only=True))
+    state = load_torch_file(path)
+    try:
+        _set_rng_state(state)
+    except (KeyError, IndexError, TypeError, ValueError, RuntimeError) as exc:
+        raise refused_file(path, f"it does not hold the RNG states hf_zero saves: {type(exc).__name__}: {exc}") from exc
     return True
 
 

@@ -169,7 +169,50 @@ def task_interrupt(task: dict) -> dict:
     return results
 
 
-TASKS = {"export": task_export, "train_save": task_train_save, "resume": task_resume, "interrupt": task_interrupt}
+def task_crafted(task: dict) -> dict:
+    """Resume from copies of a checkpoint with one file replaced by a pickle that would run code:
+    the DCP metadata, a non-tensor .distcp entry (read by every rank), rank 1's RNG file (read by
+    rank 1 only). Every rank must raise, none may hang, and nothing may run."""
+    import shutil
+
+    from _crafted import exec_pickle, exec_torch_file, replace_entry
+
+    from hf_zero.checkpoint.sharded import load_checkpoint
+
+    rank = dist.get_rank()
+    results = {}
+    for kind in ("metadata", "bytes_entry", "rng_rank1"):
+        ckpt = os.path.join(task["dir"], kind)
+        sentinel = ckpt + ".ran"
+        tampered = None
+        if rank == 0:
+            shutil.copytree(task["ckpt"], ckpt)
+            if kind == "metadata":
+                tampered = os.path.join(ckpt, ".metadata")
+                with open(tampered, "wb") as f:
+                    f.write(exec_pickle(sentinel))
+            elif kind == "bytes_entry":
+                tampered = str(replace_entry(ckpt, "lr_scheduler.last_batch_iteration", exec_torch_file(sentinel)))
+            else:
+                tampered = os.path.join(ckpt, "hf_zero_rng_1.pth")
+                with open(tampered, "wb") as f:
+                    f.write(exec_torch_file(sentinel))
+        dist.barrier()
+        engine = build(task)
+        try:
+            load_checkpoint(engine, ckpt)
+            error = None
+        except BaseException as exc:  # noqa: BLE001 - the test checks what was raised
+            error = f"{type(exc).__name__}: {exc}"
+        errors = [None] * dist.get_world_size()
+        dist.all_gather_object(errors, error)
+        results[kind] = {"errors": errors, "file": tampered, "ran": os.path.exists(sentinel)}
+        dist.barrier()
+    return results
+
+
+TASKS = {"export": task_export, "train_save": task_train_save, "resume": task_resume, "interrupt": task_interrupt,
+         "crafted": task_crafted}
 
 
 def main() -> None:

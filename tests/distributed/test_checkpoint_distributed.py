@@ -8,7 +8,7 @@ Three torchrun launches serve every test (each launch costs seconds):
    reference), interrupted saves.
 2. 1 rank: resume the 2-rank stage 1 and 2 checkpoints (2 -> 1); train/save at stages 1 and 3.
 3. 2 ranks: resume the stage 0-3 checkpoints on the same ranks, at other stages (2 -> 3, 1 -> 3,
-   2 -> 0), and the 1-rank ones (1 -> 2).
+   2 -> 0), and the 1-rank ones (1 -> 2); resume from copies holding crafted files.
 """
 
 from __future__ import annotations
@@ -84,7 +84,10 @@ def runs(tmp_path_factory):
         {"kind": "resume", "name": "resume-s3-lora", "stage": 3, "model": "llama", "peft": True, "ckpt": ck("ckpt-s3-lora")},
         {"kind": "resume", "name": "resume-s1-1to2", "stage": 1, "model": "llama", "ckpt": ck("ckpt-s1-1rank")},
         {"kind": "resume", "name": "resume-s3-1to2", "stage": 3, "model": "llama", "ckpt": ck("ckpt-s3-1rank")},
+        {"kind": "crafted", "name": "crafted", "stage": 2, "model": "qwen2_tied", "ckpt": ck("ckpt-s2"),
+         "dir": ck("crafted")},
     ]
+    os.makedirs(ck("crafted"))
     results.update(_launch(tmp, "two_ranks_resume", third, nproc=2))
     results["_tmp"] = tmp
     print("torchrun launches (s):", {k: round(v, 1) for k, v in TIMINGS.items()})
@@ -262,3 +265,20 @@ def test_interrupted_saves_leave_no_checkpoint(runs):
     assert all(e is not None and "simulated disk full on rank 1" in e for e in data["errors"]), data["errors"]
     assert data["leftovers"] == []
     assert "hf_zero_checkpoint.json" in got["after"]
+
+
+# ----------------------------------------------------------------------------------------------- crafted files
+def test_crafted_files_are_refused_on_every_rank(runs):
+    """A pickle that would run code, in the metadata, in a .distcp entry or in one rank's RNG file:
+    both ranks raise a CheckpointError naming the file (none waits in a collective), and the code
+    never runs. test_checkpoint_safety.py covers each file kind in one process."""
+    got = runs["crafted"]
+    for kind in ("metadata", "bytes_entry", "rng_rank1"):
+        result = got[kind]
+        assert not result["ran"], kind
+        for error in result["errors"]:
+            assert error is not None and error.startswith("CheckpointError"), (kind, error)
+            assert result["file"] in error and "refusing to load it" in error, (kind, error)
+    rng = got["rng_rank1"]["errors"]
+    assert "failed on rank 1" in rng[0]  # rank 0's own file was fine: it hears of rank 1's refusal
+    assert "failed on rank" not in rng[1]
