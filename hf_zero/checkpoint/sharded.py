@@ -16,8 +16,10 @@ and the param groups are written from the global optimizer (all parameter names)
 state is rank-independent and any world size reads back the FQNs it owns then.
 
 Saves are atomic: everything is written into ``<checkpoint_dir>.tmp-<id>`` and the directory is
-renamed to its final name once the marker is written (when ``checkpoint_dir`` already exists, e.g.
-because the Trainer saved its files there first, the files are moved in instead, marker last).
+renamed to its final name once the marker is written. When ``checkpoint_dir`` already exists (a
+save of the same step, or the Trainer's files saved there first) its other files are hard-linked
+into the new directory and the two are swapped (:mod:`~hf_zero.checkpoint.atomic_dir`), so a
+complete checkpoint is at that path at every moment.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from hf_zero.checkpoint.atomic_dir import recover_replaced, replace_directory
 from hf_zero.checkpoint.errors import CheckpointError, IncompleteCheckpointError, refused_file
 from hf_zero.checkpoint.safe_load import SafeFileSystemReader, load_state_dict, load_torch_file
 from hf_zero.distributed import device as accel
@@ -327,8 +330,9 @@ def _remove_stale_temp_dirs(final: str) -> None:
     if not os.path.isdir(parent):
         os.makedirs(parent, exist_ok=True)
         return
+    recover_replaced(parent)  # a previous save killed mid-swap: its checkpoint comes back first
     for name in os.listdir(parent):
-        if name.startswith(base + ".tmp-") or name.startswith(base + ".old-"):
+        if name.startswith(base + ".tmp-"):
             shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
 
 
@@ -350,21 +354,30 @@ def _finish_save(engine: Any, module: nn.Module, tmp: str, final: str, extra_jso
     save_model_config(module, tmp, None)
     info = _marker(engine, module, adapter_keys, has_extra=extra_json is not None)
     _write_marker(os.path.join(tmp, MARKER_NAME), info)
-    if not os.path.exists(final):
-        os.replace(tmp, final)
-        return
-    # The directory exists (a previous save of this step, or the Trainer's files): drop the old
-    # marker first, so it is incomplete until the new marker moves in last.
-    old_marker = os.path.join(final, MARKER_NAME)
-    if os.path.exists(old_marker):
-        os.remove(old_marker)
-    new = os.listdir(tmp)
-    for name in _checkpoint_files(os.listdir(final)):
-        if name not in new:
-            os.remove(os.path.join(final, name))
-    for name in sorted(new, key=lambda n: n == MARKER_NAME):
-        os.replace(os.path.join(tmp, name), os.path.join(final, name))
-    os.rmdir(tmp)
+    if os.path.exists(final):
+        # The directory exists (a previous save of this step, or the Trainer's files): the new one
+        # gets its other files as hard links (no copy, no extra space), then swaps with it, so a
+        # complete checkpoint is at ``final`` at every moment.
+        new = set(os.listdir(tmp))
+        for name in os.listdir(final):
+            if name not in new and name not in _checkpoint_files([name]):
+                _link_tree(os.path.join(final, name), os.path.join(tmp, name))
+    replace_directory(tmp, final)
+
+
+def _link_tree(src: str, dst: str) -> None:
+    """``src`` at ``dst`` by hard links (copies where the filesystem has none)."""
+
+    def link(a: str, b: str) -> None:
+        try:
+            os.link(a, b)
+        except OSError:
+            shutil.copy2(a, b)
+
+    if os.path.isdir(src) and not os.path.islink(src):
+        shutil.copytree(src, dst, copy_function=link, symlinks=True)
+    else:
+        link(src, dst)
 
 
 def _write_marker(path: str, info: dict[str, Any]) -> None:

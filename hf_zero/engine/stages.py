@@ -19,7 +19,7 @@ their global norm". Stages know nothing about loss scaling, accumulation counter
 from __future__ import annotations
 
 import contextlib
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch import nn
@@ -167,6 +167,10 @@ class ReplicatedStage:
         return getattr(optimizer, "optim", optimizer)
 
 
+_LAYOUT_ATTR = "_hf_zero_layout"
+"""Set on a model hf_zero sharded: the layout, so a later engine can re-use the shards."""
+
+
 class FullyShardedStage:
     """Stages 2 and 3 with FSDP2: one ``fully_shard`` unit per transformer block, then the root.
 
@@ -195,12 +199,57 @@ class FullyShardedStage:
         self.units: list[nn.Module] = []
         self.root: nn.Module | None = None
 
+    def _layout(self) -> dict[str, Any]:
+        """What a sharded model's layout depends on; a second engine may only re-use an equal one."""
+        return {
+            "stage": self.stage,
+            "world_size": self.env.world_size,
+            "dtype": str(self.precision.compute_dtype).removeprefix("torch."),
+            "offload": self.offload is not None,
+        }
+
+    def _reuse(self, model: nn.Module) -> nn.Module:
+        """A model an earlier engine sharded (a second Trainer on the same model, a notebook's
+        next run): its shards are the trained weights, so they are kept as they are, as DeepSpeed
+        keeps already-partitioned parameters."""
+        from torch.distributed.fsdp import FSDPModule
+
+        earlier = getattr(model, _LAYOUT_ATTR, None)
+        if earlier is None:
+            raise ValueError(
+                f"{type(model).__name__} is already sharded with fully_shard, not by hf_zero; pass the "
+                "unsharded model and hf_zero shards it"
+            )
+        now = self._layout()
+        if earlier["offload"] or now["offload"]:
+            raise ValueError(
+                "this model was sharded by an earlier hf_zero engine and its optimizer or parameters are "
+                "offloaded, whose master weights that engine holds; keep training with the same trainer, or "
+                "save it (trainer.save_model(DIR)) and build the new trainer on from_pretrained(DIR)"
+            )
+        if earlier != now:
+            diff = ", ".join(f"{k} {earlier[k]} then, {now[k]} now" for k in now if earlier[k] != now[k])
+            raise ValueError(
+                f"this model was sharded by an earlier hf_zero engine with another layout ({diff}); use the "
+                "same zero config, or save it (trainer.save_model(DIR)) and load it anew with from_pretrained"
+            )
+        self.units = [m for m in model.modules() if isinstance(m, FSDPModule) and m is not model]
+        self.root = model
+        # An evaluation forward leaves stage-2 parameters gathered, and while they are, the
+        # module holds the gathered copies: an optimizer built now would step those, and its
+        # updates would be dropped at the next reshard. Back to the shards first.
+        for unit in [*self.units, model]:
+            unit.reshard()
+        return model
+
     def wrap(self, model: nn.Module) -> nn.Module:
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.fsdp import FSDPModule, fully_shard
 
         from hf_zero.engine.materialize import sharded_from_rank0
 
+        if isinstance(model, FSDPModule):
+            return self._reuse(model)
         mesh = init_device_mesh(self.env.device.type, (self.env.world_size,))
         kwargs = dict(
             mesh=mesh,
@@ -224,6 +273,7 @@ class FullyShardedStage:
         if self.offload is not None:
             self.offload.after_fsdp(model, self.units)
         guard_direct_calls(model, self.stage)  # a submodule called outside forward: say what to do
+        setattr(model, _LAYOUT_ATTR, self._layout())
         return model
 
     def build_optimizer(self, recipe: OptimizerRecipe, model: nn.Module) -> torch.optim.Optimizer:

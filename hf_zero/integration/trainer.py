@@ -158,11 +158,13 @@ class ZeroTrainerMixin:
             num_training_steps=max_steps,
         )
         engine = self.zero_engine
-        if engine.config.stage >= 2 and hasattr(self.model, "generate"):
-            # generate() is not a forward, so FSDP2 would not gather the parameters for it.
+        if engine.config.stage >= 2 and hasattr(self.model, "generate") and not getattr(self.model, "_hf_zero_generate", False):
+            # generate() is not a forward, so FSDP2 would not gather the parameters for it. Once
+            # per model: a second trainer on the same model must not wrap it twice.
             from torch.distributed.fsdp import register_fsdp_forward_method
 
             register_fsdp_forward_method(self.model, "generate")
+            self.model._hf_zero_generate = True
 
     def _trainer_scheduler_factory(self, max_steps):
         user_scheduler = self.lr_scheduler
@@ -191,12 +193,18 @@ class ZeroTrainerMixin:
             # Reusing it would train nothing that the user gets back.
             self.zero_engine.close()
             self.zero_engine = None
+        if self.zero_engine is not None and self.zero_engine.optimizer is None:
+            # Sharded for evaluation before train(): a training engine re-uses the shards, except
+            # with offload, where the evaluation engine's host copies are not master weights.
+            if self.zero_engine.offload is not None:
+                raise RuntimeError(
+                    "the model was sharded for evaluation (with offload) before train(); build the "
+                    "ZeroTrainer anew to train it, or call train() before evaluate()"
+                )
+            self.zero_engine.close()
+            self.zero_engine = None
         if self.zero_engine is None:
             self._build_zero_engine(max_steps, for_training=True)
-        elif self.zero_engine.optimizer is None:
-            raise RuntimeError(
-                "the model was sharded for evaluation before train(); build the ZeroTrainer anew to train it"
-            )
         engine = self.zero_engine
         from hf_zero.optim.schedulers import steps_on_metrics
 

@@ -73,3 +73,51 @@ def test_recover_removes_an_aside_whose_replacement_arrived(tmp_path):
     assert recover_replaced(str(tmp_path)) == []
     assert sorted(os.listdir(tmp_path)) == ["ckpt", "ckpt.old-notmine"]
     assert (tmp_path / "ckpt" / "f.txt").read_text() == "new"
+
+
+def test_sharded_save_over_an_existing_checkpoint_keeps_other_files(tmp_path, monkeypatch):
+    """save_checkpoint to a directory that exists (same step again, the Trainer's files in it):
+    the other files stay, and a kill mid-swap leaves the previous checkpoint recoverable."""
+    import torch
+
+    import hf_zero
+    from hf_zero.checkpoint.sharded import load_checkpoint, read_marker, save_checkpoint
+
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(var, raising=False)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    engine = hf_zero.initialize(model=model, config={"zero_optimization": {"stage": 0}, "train_micro_batch_size_per_gpu": 1,
+                                                     "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}})
+    ckpt = tmp_path / "ckpt"
+    save_checkpoint(engine, ckpt)
+    (ckpt / "notes.txt").write_text("the user's")
+    (ckpt / "sub").mkdir()
+    (ckpt / "sub" / "x.json").write_text("{}")
+    first_steps = read_marker(ckpt)["global_steps"]
+    engine(torch.ones(1, 4)).sum().backward()
+    engine.step()
+    save_checkpoint(engine, ckpt)
+    assert (ckpt / "notes.txt").read_text() == "the user's" and (ckpt / "sub" / "x.json").exists()
+    assert read_marker(ckpt)["global_steps"] == first_steps + 1
+    assert not [n for n in os.listdir(tmp_path) if n != "ckpt"]
+
+    monkeypatch.setattr(atomic_dir, "_exchange", lambda a, b: False)
+    real_replace = os.replace
+
+    def replace(src, dst):
+        if os.fspath(dst) == str(ckpt):  # the old one is aside, the new one about to move in
+            raise Killed
+        real_replace(src, dst)
+
+    monkeypatch.setattr(atomic_dir.os, "replace", replace)
+    engine(torch.ones(1, 4)).sum().backward()
+    engine.step()
+    with pytest.raises(Killed):
+        save_checkpoint(engine, ckpt)
+    monkeypatch.setattr(atomic_dir.os, "replace", real_replace)
+    assert not ckpt.exists()
+    assert recover_replaced(str(tmp_path)) == [str(ckpt)]
+    assert read_marker(ckpt)["global_steps"] == first_steps + 1  # the previous one, complete
+    load_checkpoint(engine, ckpt)
+    engine.close()
