@@ -20,14 +20,14 @@ from typing import Any
 
 import torch
 
-from hf_zero.checkpoint.export16 import (
+from hf_zero.checkpoint.export16 import resolve_dtype
+from hf_zero.checkpoint.pretrained_files import (
     ADAPTER_CONFIG_NAME,
     ADAPTER_WEIGHTS_NAME,
     WEIGHTS_INDEX_NAME,
     WEIGHTS_NAME,
     make_temp_dir,
     plan_shards,
-    resolve_dtype,
     write_json,
     write_safetensors,
 )

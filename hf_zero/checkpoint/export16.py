@@ -39,21 +39,17 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from hf_zero.checkpoint.pretrained_files import (  # noqa: F401  (re-exported for older imports)
+from hf_zero.checkpoint.pretrained_files import (
     ADAPTER_CONFIG_NAME,
     ADAPTER_WEIGHTS_NAME,
-    CONFIG_NAME,
-    GENERATION_CONFIG_NAME,
     WEIGHTS_INDEX_NAME,
     WEIGHTS_NAME,
-    ShardPlan,
     is_weight_file,
     make_temp_dir,
     plan_shards,
     publish_files,
     save_model_config,
     write_json,
-    write_safetensors,
 )
 from hf_zero.checkpoint.safetensors_stream import SafetensorsStreamWriter
 from hf_zero.checkpoint.save_conversions import save_key_map

@@ -46,12 +46,8 @@ from hf_zero.checkpoint.safe_load import SafeFileSystemReader, load_state_dict, 
 from hf_zero.distributed import device as accel
 from hf_zero.distributed.collectives import agree_on_error as _agree_on_error, broadcast_object
 from hf_zero.engine.scalar_params import lifted_keys
-from hf_zero.checkpoint.export16 import (
-    save_model_config,
-    peft_adapter_key_map,
-    tied_groups,
-    unwrap_model,
-)
+from hf_zero.checkpoint.export16 import peft_adapter_key_map, tied_groups, unwrap_model
+from hf_zero.checkpoint.pretrained_files import save_model_config
 
 __all__ = [
     "CheckpointError",

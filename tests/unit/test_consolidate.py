@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "distributed"))
 from _models import tiny_model  # noqa: E402
 
 from hf_zero.checkpoint import consolidate as consolidate_mod  # noqa: E402
-from hf_zero.checkpoint import export16  # noqa: E402
+from hf_zero.checkpoint import export16, pretrained_files  # noqa: E402
 from hf_zero.checkpoint.consolidate import consolidate_checkpoint  # noqa: E402
 from hf_zero.checkpoint.sharded import (  # noqa: E402
     MARKER_NAME,
@@ -125,7 +125,7 @@ def test_interrupted_consolidation_leaves_nothing(tied_checkpoint, tmp_path, mon
         calls.append(path)
         if len(calls) == 2:
             raise OSError("simulated disk full")
-        return export16.write_safetensors(path, tensors)
+        return pretrained_files.write_safetensors(path, tensors)
 
     monkeypatch.setattr(consolidate_mod, "write_safetensors", failing)
     with pytest.raises(OSError, match="simulated disk full"):
