@@ -8,7 +8,6 @@ group (the Trainer's, or the user's) is always reused.
 
 from __future__ import annotations
 
-import atexit
 import os
 from dataclasses import dataclass
 from datetime import timedelta
@@ -17,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from hf_zero.distributed import device as accel
+from hf_zero.distributed.teardown import register_exit_teardown, teardown
 
 __all__ = ["DistEnv", "init_distributed", "launched_by_torchrun", "exit_cleanly"]
 
@@ -45,11 +45,6 @@ def _pick_device(local_rank: int) -> torch.device:
     return accel.select_device(local_rank)
 
 
-def _destroy_if_initialized() -> None:
-    if dist.is_initialized():
-        dist.destroy_process_group()
-
-
 def init_distributed(timeout_s: float = 1800.0) -> DistEnv:
     """Return this process's :class:`DistEnv`, creating the default process group if needed.
 
@@ -74,9 +69,10 @@ def init_distributed(timeout_s: float = 1800.0) -> DistEnv:
             dist.init_process_group(
                 backend=backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout
             )
-        # We made the group, so we tear it down: a gloo group left alive at interpreter exit
-        # aborts the process ("terminate called without an active exception").
-        atexit.register(_destroy_if_initialized)
+        # We made the group, so we end it at exit; destroy_process_group() alone leaves gloo's
+        # worker threads running into interpreter finalization, where they can abort the
+        # process (distributed/teardown.py says why and what is done instead).
+        register_exit_teardown()
     else:
         # Someone else (accelerate, the user) made the group; it may be a multi-backend group
         # ("cpu:gloo,cuda:nccl", reported as "undefined"), so the device follows CUDA availability.
@@ -92,20 +88,19 @@ def init_distributed(timeout_s: float = 1800.0) -> DistEnv:
 
 
 def exit_cleanly(code: int = 0) -> None:
-    """End a rank without gloo's intermittent abort at interpreter teardown.
+    """End this process now with ``code``, skipping the interpreter's final clean-up.
 
-    Under load, a process whose gloo group is torn down by the interpreter's final clean-up
-    sometimes dies with "terminate called without an active exception" after its work is done,
-    which a launcher reports as a failed run. This destroys the group, runs the ``atexit``
-    handlers (user clean-up such as loggers still happens), flushes, and leaves with ``os._exit``.
+    For callers that know their exit status (``hf-zero run``'s bootstrap after the script
+    returned, the test workers): it tears the process group down as the exit hook does
+    (:func:`hf_zero.distributed.teardown.teardown`), runs the ``atexit`` handlers (the user's
+    clean-up and logging's flush still happen), flushes stdio and leaves with ``os._exit``. Scripts
+    need not call it: the exit hook registered by :func:`init_distributed` already makes a plain
+    exit safe and keeps its status.
     """
+    import atexit
     import sys
 
-    if dist.is_initialized():
-        try:
-            dist.destroy_process_group()
-        except Exception:  # a peer may already be gone; exiting is all that is left to do
-            pass
+    teardown()
     atexit._run_exitfuncs()
     sys.stdout.flush()
     sys.stderr.flush()

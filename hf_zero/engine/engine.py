@@ -24,6 +24,7 @@ from torch import nn
 from hf_zero.config.schema import ZeroConfig
 from hf_zero.distributed.collectives import all_reduce_flag, on_mesh_device
 from hf_zero.distributed.env import DistEnv
+from hf_zero.distributed.teardown import close_at_exit
 from hf_zero.engine.optimizer_recipe import OptimizerRecipe
 from hf_zero.engine.stages import Stage, local_tensor, make_stage
 from hf_zero.optim.schedulers import steps_on_metrics
@@ -95,6 +96,8 @@ class ZeroEngine:
         self._last_grad_norm: float | None = None  # norm of the last update, for logging
         self._last_step_skipped = False
         self._last_step_lrs: list[float] | None = None  # learning rates the last update used
+        # The exit teardown closes the engine (joining offload threads) before ending the group.
+        close_at_exit(self)
         self._report_start()
 
     # ----------------------------------------------------------------------------- training loop
