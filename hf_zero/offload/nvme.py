@@ -1,8 +1,11 @@
 """File-backed swap space for offloaded state, in pure Python (no libaio, no compiled ops).
 
-Layout: every rank swaps into its own folder ``<nvme_path>/hf_zero-<run id>/rank<r>/``; the run id
-(time + random suffix) is made by rank 0 and shared, so concurrent runs never share files and a
-run's ranks sit side by side. Each *record* (one optimizer sub-group, one parameter unit) is one
+Layout: every rank swaps into its own folder ``<nvme_path>/hf_zero-<run id>/rank<r>/`` (mode 0700,
+as is the run folder: swapped optimizer state is the user's data); the run id (time + random
+suffix) is made by rank 0 and shared, so concurrent runs never share files and a run's ranks sit
+side by side. The owning process holds a lock in its folder for its whole life
+(``offload/swap_ownership.py``), which is how a later run tells a crashed run's folder from a live
+one. Each *record* (one optimizer sub-group, one parameter unit) is one
 file of fixed size, preallocated at start-up so that a disk too small for the run fails before
 training rather than in the middle of it.
 
@@ -36,7 +39,6 @@ import atexit
 import concurrent.futures as cf
 import ctypes
 import errno
-import json
 import logging
 import os
 import shutil
@@ -53,14 +55,18 @@ import torch
 
 from hf_zero.config.schema import AioConfig
 from hf_zero.offload.base import OffloadError, alloc_host
+from hf_zero.offload.swap_ownership import OWNER_FILE, claim, release, take_if_abandoned
 
 __all__ = [
     "ALIGN",
     "BufferPool",
     "IOHandle",
+    "OWNER_FILE",
+    "RUN_PREFIX",
     "SwapDir",
     "SwapSpace",
     "new_run_id",
+    "remove_stale_dirs",
     "round_up",
 ]
 
@@ -69,7 +75,6 @@ logger = logging.getLogger("hf_zero")
 ALIGN = 4096
 """Alignment of buffers, file offsets and lengths: what ``O_DIRECT`` needs on 4K-sector disks."""
 RUN_PREFIX = "hf_zero-"
-OWNER_FILE = "owner.json"
 
 # System calls the I/O threads use, looked up through the module at call time so that tests can
 # replace them (a writer that fails with ENOSPC, a reader that sees a truncated file).
@@ -132,20 +137,12 @@ def _install_exit_hooks() -> None:
             signal.signal(signal.SIGTERM, _on_sigterm)
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def remove_stale_dirs(nvme_path: str) -> list[str]:
-    """Remove run folders under ``nvme_path`` left by runs of *this host* whose process is gone
-    (a run killed with SIGKILL cannot clean up after itself). Folders of live processes and of
-    other hosts are never touched. Returns the removed paths."""
+    """Remove run folders under ``nvme_path`` whose every rank folder lost its owner (a run killed
+    with SIGKILL cannot clean up after itself). A rank folder has lost its owner when its lock can
+    be taken (``offload/swap_ownership.py``), whatever its recorded pid looks like from here.
+    Folders of live processes (in any PID namespace), of other hosts, and folders being made are
+    never touched. Returns the removed paths."""
     removed = []
     host = socket.gethostname()
     try:
@@ -156,25 +153,37 @@ def remove_stale_dirs(nvme_path: str) -> list[str]:
         if not name.startswith(RUN_PREFIX):
             continue
         run = os.path.join(nvme_path, name)
-        owners = []
+        held: list[int] = []  # the locks of abandoned rank folders, kept until the run is removed
         try:
-            for rank_dir in os.listdir(run):
-                with open(os.path.join(run, rank_dir, OWNER_FILE), encoding="utf-8") as f:
-                    owners.append(json.load(f))
-        except (OSError, ValueError):
-            continue  # not ours, or being created right now: leave it
-        if owners and all(o.get("host") == host and not _pid_alive(int(o.get("pid", 0))) for o in owners):
-            shutil.rmtree(run, ignore_errors=True)
-            removed.append(run)
+            try:
+                rank_dirs = os.listdir(run)
+            except OSError:
+                continue
+            abandoned = bool(rank_dirs)
+            for rank_dir in rank_dirs:
+                gone, fd = take_if_abandoned(os.path.join(run, rank_dir), host)
+                if fd is not None:
+                    held.append(fd)
+                if not gone:
+                    abandoned = False
+                    break
+            if abandoned:
+                shutil.rmtree(run, ignore_errors=True)
+                removed.append(run)
+        finally:
+            for fd in held:
+                release(fd)
     return removed
 
 
-def _remove_swap_dir(path: str, run_dir: str) -> None:
+def _remove_swap_dir(path: str, run_dir: str, lock_fd: int | None) -> None:
+    # Removed while still locked, so no other run takes the folder for abandoned half-way.
     shutil.rmtree(path, ignore_errors=True)
     try:
         os.rmdir(run_dir)  # succeeds for the run's last rank only
     except OSError:
         pass
+    release(lock_fd)
 
 
 class SwapDir:
@@ -202,22 +211,29 @@ class SwapDir:
         remove_stale_dirs(self.nvme_path)
         self.run_dir = os.path.join(self.nvme_path, RUN_PREFIX + run_id)
         self.path = os.path.join(self.run_dir, f"rank{rank}")
+        lock_fd = None
         try:
-            os.makedirs(self.path, exist_ok=False)
-            with open(os.path.join(self.path, OWNER_FILE), "w", encoding="utf-8") as f:
-                json.dump({"host": socket.gethostname(), "pid": os.getpid(), "rank": rank,
-                           "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}, f)
+            made_run_dir = not os.path.isdir(self.run_dir)
+            os.makedirs(self.run_dir, mode=0o700, exist_ok=True)  # the run's other ranks may have made it
+            if made_run_dir:
+                os.chmod(self.run_dir, 0o700)  # whatever the umask
+            os.mkdir(self.path, 0o700)
+            os.chmod(self.path, 0o700)
+            lock_fd = claim(self.path, rank)
         except FileExistsError as exc:
             raise OffloadError(f"swap folder {self.path} already exists: another run uses the same run id") from exc
         except OSError as exc:
+            if os.path.isdir(self.path):  # made but never owned: no one else would remove it
+                _remove_swap_dir(self.path, self.run_dir, None)
             raise OffloadError(
                 f"{setting}={nvme_path!r} is not writable: creating {self.path} failed ({exc.strerror or exc}); "
                 "point it at a folder this user can write"
             ) from exc
         self._closed = False
         self._lock = threading.Lock()
-        # Removed on close(), at interpreter exit, when garbage-collected unclosed, and on SIGTERM.
-        self._finalizer = weakref.finalize(self, _remove_swap_dir, self.path, self.run_dir)
+        # Removed on close(), at interpreter exit, when garbage-collected unclosed, and on SIGTERM;
+        # the lock goes with it. Until then, holding it tells other runs this folder is alive.
+        self._finalizer = weakref.finalize(self, _remove_swap_dir, self.path, self.run_dir, lock_fd)
         _LIVE_DIRS.add(self)
         _install_exit_hooks()
 
