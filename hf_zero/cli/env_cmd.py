@@ -13,6 +13,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from hf_zero.cli.subcommand import add_subcommand, standalone_parser
+
 __all__ = ["build_parser", "register", "run"]
 
 _DESCRIPTION = """\
@@ -34,20 +36,12 @@ def _configure(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Add the ``env`` subcommand to ``hf-zero``'s subparsers; ``args.func`` is :func:`run`."""
-    parser = subparsers.add_parser(
-        "env",
-        help="print versions, GPUs, host limits and env vars to attach to a bug report",
-        description=_DESCRIPTION,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    return _configure(parser)
+    return add_subcommand(subparsers, "env", "print versions, GPUs, host limits and env vars to attach to a bug report", _DESCRIPTION, _configure)
 
 
 def build_parser() -> argparse.ArgumentParser:
     """A standalone parser (``python -m hf_zero.cli.env_cmd``), the same flags as the subcommand."""
-    parser = argparse.ArgumentParser(prog="hf-zero env", description=_DESCRIPTION,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    return _configure(parser)
+    return standalone_parser("env", _DESCRIPTION, _configure)
 
 
 def run(args: argparse.Namespace) -> int:

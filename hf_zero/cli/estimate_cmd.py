@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from hf_zero.cli.subcommand import add_subcommand, standalone_parser
 from hf_zero.estimator import (
     ALL_LINEAR,
     DEFAULT_GPU_RESERVE_BYTES,
@@ -113,20 +114,12 @@ def _configure(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Add the ``estimate`` subcommand to ``hf-zero``'s subparsers; ``args.func`` is :func:`run`."""
-    parser = subparsers.add_parser(
-        "estimate",
-        help="memory per GPU/node for ZeRO stages 0-3 and offload; prints a ready --zero_config",
-        description=_DESCRIPTION,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    return _configure(parser)
+    return add_subcommand(subparsers, "estimate", "memory per GPU/node for ZeRO stages 0-3 and offload; prints a ready --zero_config", _DESCRIPTION, _configure)
 
 
 def build_parser() -> argparse.ArgumentParser:
     """A standalone parser (``python -m hf_zero.cli.estimate_cmd``), the same flags as the subcommand."""
-    parser = argparse.ArgumentParser(prog="hf-zero estimate", description=_DESCRIPTION,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    return _configure(parser)
+    return standalone_parser("estimate", _DESCRIPTION, _configure)
 
 
 def _count(text: str) -> int:
