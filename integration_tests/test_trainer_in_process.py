@@ -10,21 +10,15 @@ import os
 
 import pytest
 import torch
-from datasets import Dataset
 from transformers import AutoModelForCausalLM
 
 from hf_zero import ZeroTrainer, ZeroTrainingArguments
 from hf_zero.config import ZeroConfigError
 
 from _run import REPO
+from _tiny import TINY, token_dataset
 
-TINY = REPO / "assets" / "tiny-qwen2"
 
-
-def _data(n=16, seq=16):
-    g = torch.Generator().manual_seed(11)
-    ids = torch.randint(3, 500, (n, seq), generator=g)
-    return Dataset.from_dict({"input_ids": ids.tolist(), "labels": ids.tolist()})
 
 
 def _args(tmp_path, zero_config, **kw):
@@ -39,7 +33,7 @@ def test_notebook_style_run_trains_saves_and_reloads(tmp_path, monkeypatch):
         monkeypatch.delenv(var, raising=False)
     cfg = {"zero_optimization": {"stage": 3}, "train_micro_batch_size_per_gpu": "auto",
            "optimizer": {"type": "AdamW", "params": {"lr": "auto", "weight_decay": "auto"}}}
-    trainer = ZeroTrainer(model=AutoModelForCausalLM.from_pretrained(TINY), args=_args(tmp_path, cfg), train_dataset=_data())
+    trainer = ZeroTrainer(model=AutoModelForCausalLM.from_pretrained(TINY), args=_args(tmp_path, cfg), train_dataset=token_dataset())
     trainer.train()
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     assert len(losses) == 4 and losses[-1] < losses[0]
@@ -60,7 +54,7 @@ def test_missing_config_file_names_the_path(tmp_path):
 def test_config_contradicting_arguments_fails_at_construction(tmp_path):
     cfg = {"zero_optimization": {"stage": 2}, "train_micro_batch_size_per_gpu": 8, "gradient_clipping": 0.5}
     with pytest.raises(ZeroConfigError) as err:
-        ZeroTrainer(model=AutoModelForCausalLM.from_pretrained(TINY), args=_args(tmp_path, cfg, max_grad_norm=1.0), train_dataset=_data())
+        ZeroTrainer(model=AutoModelForCausalLM.from_pretrained(TINY), args=_args(tmp_path, cfg, max_grad_norm=1.0), train_dataset=token_dataset())
     message = str(err.value)
     assert "train_micro_batch_size_per_gpu" in message and "per_device_train_batch_size" in message
     assert "gradient_clipping" in message and "max_grad_norm" in message  # every mismatch, at once
@@ -68,7 +62,7 @@ def test_config_contradicting_arguments_fails_at_construction(tmp_path):
 
 
 def test_resume_from_missing_checkpoint(tmp_path):
-    trainer = ZeroTrainer(model=AutoModelForCausalLM.from_pretrained(TINY), args=_args(tmp_path, {"zero_optimization": {"stage": 2}}), train_dataset=_data())
+    trainer = ZeroTrainer(model=AutoModelForCausalLM.from_pretrained(TINY), args=_args(tmp_path, {"zero_optimization": {"stage": 2}}), train_dataset=token_dataset())
     missing = tmp_path / "checkpoint-7"
     with pytest.raises(FileNotFoundError, match="checkpoint-7"):
         trainer.train(resume_from_checkpoint=str(missing))
@@ -78,14 +72,14 @@ def test_resume_from_incomplete_checkpoint_is_refused(tmp_path):
     trainer = ZeroTrainer(
         model=AutoModelForCausalLM.from_pretrained(TINY),
         args=_args(tmp_path, {"zero_optimization": {"stage": 2}}, save_strategy="steps", save_steps=2),
-        train_dataset=_data(),
+        train_dataset=token_dataset(),
     )
     trainer.train()
     ckpt = tmp_path / "out" / "checkpoint-2"
     marker = ckpt / "zero_state" / "hf_zero_checkpoint.json"
     assert marker.exists() and (ckpt / "trainer_state.json").exists()
     os.remove(marker)  # as if the save had been interrupted before its last file
-    again = ZeroTrainer(model=AutoModelForCausalLM.from_pretrained(TINY), args=_args(tmp_path, {"zero_optimization": {"stage": 2}}), train_dataset=_data())
+    again = ZeroTrainer(model=AutoModelForCausalLM.from_pretrained(TINY), args=_args(tmp_path, {"zero_optimization": {"stage": 2}}), train_dataset=token_dataset())
     with pytest.raises(Exception, match="hf_zero_checkpoint.json"):
         again.train(resume_from_checkpoint=str(ckpt))
 
@@ -96,7 +90,7 @@ def test_interrupted_checkpoint_never_looks_complete(tmp_path, monkeypatch):
     trainer = ZeroTrainer(
         model=AutoModelForCausalLM.from_pretrained(TINY),
         args=_args(tmp_path, {"zero_optimization": {"stage": 3}}, save_strategy="steps", save_steps=2),
-        train_dataset=_data(),
+        train_dataset=token_dataset(),
     )
 
     def broken_save(*args, **kwargs):
@@ -116,7 +110,7 @@ def test_stage3_save_without_gather_points_to_consolidate(tmp_path, caplog):
     import logging
 
     cfg = {"zero_optimization": {"stage": 3, "stage3_gather_16bit_weights_on_model_save": False}}
-    trainer = ZeroTrainer(model=AutoModelForCausalLM.from_pretrained(TINY), args=_args(tmp_path, cfg), train_dataset=_data())
+    trainer = ZeroTrainer(model=AutoModelForCausalLM.from_pretrained(TINY), args=_args(tmp_path, cfg), train_dataset=token_dataset())
     trainer.train()
     out = tmp_path / "final"
     with caplog.at_level(logging.WARNING, logger="hf_zero"):
@@ -171,14 +165,14 @@ def test_logged_learning_rate_is_the_one_each_update_used(tmp_path, stage, sched
         cfg["scheduler"] = {"type": "WarmupDecayLR", "params": {"warmup_min_lr": 0, "warmup_max_lr": "auto",
                             "warmup_num_steps": "auto", "total_num_steps": "auto", "warmup_type": "linear"}}
     record = RecordUsed()
-    zero = ZeroTrainer(model=AutoModelForCausalLM.from_pretrained(TINY), train_dataset=_data(), callbacks=[record],
+    zero = ZeroTrainer(model=AutoModelForCausalLM.from_pretrained(TINY), train_dataset=token_dataset(), callbacks=[record],
                        args=ZeroTrainingArguments(output_dir=str(tmp_path / "zero"), zero_config=cfg, **kw))
     zero.train()
     got = [h["learning_rate"] for h in zero.state.log_history if "loss" in h]
     assert len(record.used) == 5 and len(set(record.used)) > 2  # the schedule moved: the control
     assert got == pytest.approx(record.used, rel=1e-9, abs=1e-12)
     if schedule == "trainer":
-        plain = Trainer(model=AutoModelForCausalLM.from_pretrained(TINY), train_dataset=_data(),
+        plain = Trainer(model=AutoModelForCausalLM.from_pretrained(TINY), train_dataset=token_dataset(),
                         args=TrainingArguments(output_dir=str(tmp_path / "plain"), **kw))
         plain.train()
         expected = [h["learning_rate"] for h in plain.state.log_history if "loss" in h]

@@ -8,21 +8,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from datasets import Dataset
 from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
 
 from hf_zero import ZeroTrainer, ZeroTrainingArguments
 from hf_zero.checkpoint.export16 import gather_full_state_dict
 
-from _run import REPO
-
-TINY = REPO / "assets" / "tiny-qwen2"
+from _tiny import TINY, token_dataset
 
 
-def _data(n=16, seq=16):
-    g = torch.Generator().manual_seed(11)
-    ids = torch.randint(3, 500, (n, seq), generator=g)
-    return Dataset.from_dict({"input_ids": ids.tolist(), "labels": ids.tolist()})
 
 
 def _model_init():
@@ -40,7 +33,7 @@ def _losses(trainer, since=0):
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_model_init_second_train_trains_the_new_model(tmp_path, stage):
-    plain = Trainer(model_init=_model_init, args=TrainingArguments(**_common(tmp_path, "plain")), train_dataset=_data())
+    plain = Trainer(model_init=_model_init, args=TrainingArguments(**_common(tmp_path, "plain")), train_dataset=token_dataset())
     plain.train()
     plain.train()
     want = _losses(plain)
@@ -48,7 +41,7 @@ def test_model_init_second_train_trains_the_new_model(tmp_path, stage):
 
     cfg = {"zero_optimization": {"stage": stage}, "train_micro_batch_size_per_gpu": "auto"}
     zero = ZeroTrainer(model_init=_model_init, args=ZeroTrainingArguments(zero_config=cfg, **_common(tmp_path, "zero")),
-                       train_dataset=_data())
+                       train_dataset=token_dataset())
     zero.train()
     first_model = zero.model
     zero.train()

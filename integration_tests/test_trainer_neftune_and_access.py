@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from datasets import Dataset
 from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
 
 import hf_zero
@@ -14,15 +13,9 @@ from hf_zero import ZeroTrainer, ZeroTrainingArguments
 from hf_zero.checkpoint.export16 import gather_full_state_dict
 from hf_zero.engine.sharded_access import ShardedParameterError
 
-from _run import REPO
-
-TINY = REPO / "assets" / "tiny-qwen2"
+from _tiny import TINY, token_dataset
 
 
-def _data(n=16, seq=16, seed=11):
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(3, 500, (n, seq), generator=g)
-    return Dataset.from_dict({"input_ids": ids.tolist(), "labels": ids.tolist()})
 
 
 def _common(tmp_path, name, **kw):
@@ -35,7 +28,7 @@ def _common(tmp_path, name, **kw):
 def _zero(tmp_path, stage, **kw):
     args = ZeroTrainingArguments(zero_config={"zero_optimization": {"stage": stage}, "train_micro_batch_size_per_gpu": "auto"},
                                  **_common(tmp_path, f"zero{stage}", **kw))
-    return ZeroTrainer(model=AutoModelForCausalLM.from_pretrained(TINY), args=args, train_dataset=_data())
+    return ZeroTrainer(model=AutoModelForCausalLM.from_pretrained(TINY), args=args, train_dataset=token_dataset())
 
 
 def _losses(trainer):
@@ -46,10 +39,10 @@ def _losses(trainer):
 def plain_neftune(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("plain")
     trainer = Trainer(model=AutoModelForCausalLM.from_pretrained(TINY),
-                      args=TrainingArguments(**_common(tmp, "plain", neftune_noise_alpha=50.0)), train_dataset=_data())
+                      args=TrainingArguments(**_common(tmp, "plain", neftune_noise_alpha=50.0)), train_dataset=token_dataset())
     trainer.train()
     quiet = Trainer(model=AutoModelForCausalLM.from_pretrained(TINY), args=TrainingArguments(**_common(tmp, "quiet")),
-                    train_dataset=_data())
+                    train_dataset=token_dataset())
     quiet.train()
     # The noise changes the run, so matching the noisy reference proves the noise is applied.
     assert max(abs(a - b) / b for a, b in zip(_losses(trainer), _losses(quiet))) > 1e-2

@@ -11,7 +11,6 @@ import sys
 
 import pytest
 import torch
-from datasets import Dataset
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, Trainer, TrainingArguments
 
@@ -19,15 +18,10 @@ from hf_zero import ZeroTrainer, ZeroTrainingArguments
 from hf_zero.checkpoint.export16 import gather_full_state_dict
 
 from _run import REPO
+from _tiny import TINY, token_dataset
 
-TINY = REPO / "assets" / "tiny-qwen2"
 WORKER = REPO / "integration_tests" / "scripts" / "save_kill_worker.py"
 
-
-def _data(n=16, seq=16):
-    g = torch.Generator().manual_seed(11)
-    ids = torch.randint(3, 500, (n, seq), generator=g)
-    return Dataset.from_dict({"input_ids": ids.tolist(), "labels": ids.tolist()})
 
 
 def _zero_trainer(tmp_path, stage=3, **kw):
@@ -36,7 +30,7 @@ def _zero_trainer(tmp_path, stage=3, **kw):
     args.update(kw)
     cfg = {"zero_optimization": {"stage": stage}, "train_micro_batch_size_per_gpu": "auto"}
     return ZeroTrainer(model=AutoModelForCausalLM.from_pretrained(TINY), args=ZeroTrainingArguments(zero_config=cfg, **args),
-                       train_dataset=_data(), processing_class=AutoTokenizer.from_pretrained(TINY))
+                       train_dataset=token_dataset(), processing_class=AutoTokenizer.from_pretrained(TINY))
 
 
 def _weights(directory) -> dict[str, torch.Tensor]:

@@ -5,21 +5,13 @@ stage, in one process, against the plain Trainer: the same learning rates and lo
 from __future__ import annotations
 
 import pytest
-import torch
-from datasets import Dataset
 from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
 
 from hf_zero import ZeroTrainer, ZeroTrainingArguments
 
-from _run import REPO
-
-TINY = REPO / "assets" / "tiny-qwen2"
+from _tiny import TINY, token_dataset
 
 
-def _data(n=16, seq=16, seed=11):
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(3, 500, (n, seq), generator=g)
-    return Dataset.from_dict({"input_ids": ids.tolist(), "labels": ids.tolist()})
 
 
 def _common(tmp_path, name):
@@ -43,7 +35,7 @@ def _history(trainer):
 def plain(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("plain")
     trainer = Trainer(model=AutoModelForCausalLM.from_pretrained(TINY), args=TrainingArguments(**_common(tmp, "plain")),
-                      train_dataset=_data(), eval_dataset=_data(8, seed=12))
+                      train_dataset=token_dataset(), eval_dataset=token_dataset(8, seed=12))
     trainer.train()
     return _history(trainer)
 
@@ -52,8 +44,8 @@ def plain(tmp_path_factory):
 def test_reduce_lr_on_plateau_steps_on_the_eval_metric(tmp_path, plain, stage):
     args = ZeroTrainingArguments(zero_config={"zero_optimization": {"stage": stage},
                                               "train_micro_batch_size_per_gpu": "auto"}, **_common(tmp_path, "zero"))
-    trainer = ZeroTrainer(model=AutoModelForCausalLM.from_pretrained(TINY), args=args, train_dataset=_data(),
-                          eval_dataset=_data(8, seed=12))
+    trainer = ZeroTrainer(model=AutoModelForCausalLM.from_pretrained(TINY), args=args, train_dataset=token_dataset(),
+                          eval_dataset=token_dataset(8, seed=12))
     trainer.train()
     lrs, losses, evals = _history(trainer)
     plain_lrs, plain_losses, plain_evals = plain

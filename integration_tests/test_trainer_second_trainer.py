@@ -4,21 +4,13 @@ cell), and a Trainer that evaluates before it trains, at every stage against the
 from __future__ import annotations
 
 import pytest
-import torch
-from datasets import Dataset
 from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
 
 from hf_zero import ZeroTrainer, ZeroTrainingArguments
 
-from _run import REPO
-
-TINY = REPO / "assets" / "tiny-qwen2"
+from _tiny import TINY, token_dataset
 
 
-def _data(n=16, seq=16, seed=11):
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(3, 500, (n, seq), generator=g)
-    return Dataset.from_dict({"input_ids": ids.tolist(), "labels": ids.tolist()})
 
 
 def _common(tmp_path, name):
@@ -45,8 +37,8 @@ def plain(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("plain")
 
     def make(model, name):
-        return Trainer(model=model, args=TrainingArguments(**_common(tmp, name)), train_dataset=_data(),
-                       eval_dataset=_data(8, seed=12))
+        return Trainer(model=model, args=TrainingArguments(**_common(tmp, name)), train_dataset=token_dataset(),
+                       eval_dataset=token_dataset(8, seed=12))
 
     return _sequence(make, AutoModelForCausalLM.from_pretrained(TINY))
 
@@ -56,7 +48,7 @@ def test_second_trainer_on_the_trained_model(tmp_path, plain, stage):
     def make(model, name):
         args = ZeroTrainingArguments(zero_config={"zero_optimization": {"stage": stage},
                                                   "train_micro_batch_size_per_gpu": "auto"}, **_common(tmp_path, name))
-        return ZeroTrainer(model=model, args=args, train_dataset=_data(), eval_dataset=_data(8, seed=12))
+        return ZeroTrainer(model=model, args=args, train_dataset=token_dataset(), eval_dataset=token_dataset(8, seed=12))
 
     first, evaluated, second = _sequence(make, AutoModelForCausalLM.from_pretrained(TINY))
     plain_first, plain_evaluated, plain_second = plain
@@ -69,7 +61,7 @@ def test_second_trainer_with_another_layout_says_what_to_do(tmp_path):
     def make(model, stage):
         args = ZeroTrainingArguments(zero_config={"zero_optimization": {"stage": stage},
                                                   "train_micro_batch_size_per_gpu": "auto"}, **_common(tmp_path, f"s{stage}"))
-        return ZeroTrainer(model=model, args=args, train_dataset=_data())
+        return ZeroTrainer(model=model, args=args, train_dataset=token_dataset())
 
     model = AutoModelForCausalLM.from_pretrained(TINY)
     make(model, 3).train()
