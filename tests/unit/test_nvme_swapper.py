@@ -15,6 +15,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from _swap_owner import start_swap_owner
+
 from hf_zero.config.schema import AioConfig
 from hf_zero.offload import nvme
 from hf_zero.offload.base import OffloadError
@@ -238,15 +240,7 @@ def test_stale_folders_of_dead_processes_are_removed(tmp_path):
 
 
 def test_sigterm_removes_the_folder(tmp_path):
-    script = textwrap.dedent(f"""
-        import sys, time
-        from hf_zero.offload.nvme import SwapDir, new_run_id
-        d = SwapDir({str(tmp_path)!r}, new_run_id(), 0, "s")
-        print(d.path, flush=True)
-        time.sleep(60)
-    """)
-    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
-    path = proc.stdout.readline().strip()
+    proc, path = start_swap_owner(tmp_path)
     assert os.path.isdir(path)
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=30) == -signal.SIGTERM  # still dies of the signal

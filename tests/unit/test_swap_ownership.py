@@ -13,10 +13,10 @@ import os
 import signal
 import stat
 import subprocess
-import sys
-import textwrap
 
 import pytest
+
+from _swap_owner import start_swap_owner
 
 from hf_zero.offload import nvme
 from hf_zero.offload.nvme import SwapDir, new_run_id, remove_stale_dirs
@@ -123,16 +123,8 @@ def test_swap_folders_are_private_whatever_the_umask(tmp_path):
 def test_a_killed_owner_process_leaves_a_folder_the_next_run_removes(tmp_path):
     # A real second process: while it lives (its pid rewritten to look dead), its folder stays;
     # once SIGKILLed (no clean-up runs), the kernel drops its lock and the next run removes it.
-    script = textwrap.dedent(f"""
-        import time
-        from hf_zero.offload.nvme import SwapDir, new_run_id
-        d = SwapDir({str(tmp_path)!r}, new_run_id(), 0, "s")
-        print(d.path, flush=True)
-        time.sleep(60)
-    """)
-    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    proc, path = start_swap_owner(tmp_path)
     try:
-        path = proc.stdout.readline().strip()
         owner = os.path.join(path, OWNER_FILE)
         record = json.loads(open(owner, encoding="utf-8").read())
         record["pid"] = dead_pid()
