@@ -60,10 +60,10 @@ __all__ = [
     "save_16bit_model",
     "gather_full_state_dict",
     "unwrap_model",
+    "params_resident",
     "resolve_dtype",
     "tied_groups",
     "peft_adapter_key_map",
-    "save_model_config",
 ]
 
 logger = logging.getLogger("hf_zero")
@@ -185,12 +185,12 @@ def gather_full_state_dict(
     Returns:
         On rank 0, ``{key: cpu tensor}`` in state-dict order; on other ranks ``{}``.
     """
-    with _params_resident(model):
+    with params_resident(model):
         module = unwrap_model(model)
         return _gather_state(module, dtype, state_dict_filter)
 
 
-def _params_resident(model: Any) -> contextlib.AbstractContextManager:
+def params_resident(model: Any) -> contextlib.AbstractContextManager:
     """Given a ``ZeroEngine``, its NVMe-swapped parameter shards read back for the gather."""
     resident = getattr(model, "params_resident", None)
     if callable(resident) and not isinstance(model, nn.Module):
@@ -305,7 +305,7 @@ def save_16bit_model(
     """
     if not safe_serialization:
         raise ValueError("hf_zero writes safetensors only; pass safe_serialization=True")
-    with _params_resident(model):
+    with params_resident(model):
         return _save_16bit(unwrap_model(model), os.fspath(output_dir), resolve_dtype(dtype), max_shard_size,
                            _rank() == 0 if is_main_process is None else is_main_process,
                            state_dict_filter, save_config, extra_files, progress)

@@ -46,10 +46,9 @@ def gathered_parameters(model: Any) -> Iterator[nn.Module]:
     Args:
         model: the model (or a ``ZeroEngine``: NVMe-swapped parameter shards are read back too).
     """
-    from hf_zero.checkpoint.export16 import unwrap_model
+    from hf_zero.checkpoint.export16 import params_resident, unwrap_model
 
-    resident = getattr(model, "params_resident", None)
-    with resident() if callable(resident) and not isinstance(model, nn.Module) else contextlib.nullcontext():
+    with params_resident(model):
         module = unwrap_model(model)
         units = _fsdp_modules(module)
         for unit in units:
