@@ -357,12 +357,12 @@ def _save_16bit(module, output_dir, dtype, max_shard_size, is_main_process, stat
             groups = keymap.groups(keys)
             writer = None
             if is_main_process and error is None:
-                header = {k: v for group in groups for k, v in keymap.outputs(group).items()}
-                try:
+                try:  # anything failing here must not stop this rank's gathers: the others wait in them
+                    header = {k: v for group in groups for k, v in keymap.outputs(group).items()}
                     writer = SafetensorsStreamWriter(os.path.join(tmp, filename), header, metadata={"format": "pt"})
-                except BaseException as exc:  # keep gathering so the other ranks do not hang
+                    weight_map.update(dict.fromkeys(header, filename))
+                except BaseException as exc:
                     error = exc
-                weight_map.update(dict.fromkeys(header, filename))
             for group in groups:  # every rank walks the same keys in the same order (collectives)
                 keep = writer is not None and error is None
                 gathered: dict[str, torch.Tensor] = {}
