@@ -283,7 +283,7 @@ def save_checkpoint(engine: Any, checkpoint_dir: str | os.PathLike, *, extra_sta
 
     try:
         try:
-            state = _portable_state(engine, module)
+            state = _portable_state(engine, module, saving=True)
         except BaseException as exc:
             error = exc
         agree_on_error(error, "collecting the engine state")
@@ -310,8 +310,8 @@ def save_checkpoint(engine: Any, checkpoint_dir: str | os.PathLike, *, extra_sta
         logger.info("hf_zero: saved checkpoint %s in %.1f s", final, time.perf_counter() - started)
 
 
-def _portable_state(engine: Any, module: nn.Module) -> dict[str, Any]:
-    state = engine.state_dict()
+def _portable_state(engine: Any, module: nn.Module, *, saving: bool = False) -> dict[str, Any]:
+    state = engine.state_dict(saving=saving)
     if "optimizer" in state and engine.optimizer is not None:
         state["optimizer"] = {
             "state": state["optimizer"]["state"],

@@ -244,10 +244,14 @@ class ZeroEngine:
         return report
 
     # ----------------------------------------------------------------------------- state
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self, *, saving: bool = False) -> dict[str, Any]:
         """Sharded state for ``torch.distributed.checkpoint``: model and optimizer as DTensors at
         stages 2/3 (keyed by parameter name, so they reshard on load), plus scheduler, loss scaler
-        and counters."""
+        and counters. The model entries of trained parameters are their fp32 master weights.
+
+        ``saving=True`` is the view to write: at stages 0/1 with an offloaded optimizer a
+        trainable parameter's entry is then present only on the rank holding its master. Without
+        it, the state is a template to load into (every entry on every rank)."""
         from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
         state: dict[str, Any] = {"module": get_model_state_dict(self.module)}
@@ -256,7 +260,7 @@ class ZeroEngine:
         if self.offload is not None:
             # Offloaded optimizer state (same layout), fp32 masters in place of 16-bit model
             # entries, host copies of NVMe-swapped parameters.
-            self.offload.checkpoint_state(state)
+            self.offload.checkpoint_state(state, saving=saving)
         if self.lr_scheduler is not None:
             state["lr_scheduler"] = self.lr_scheduler.state_dict()
         state["loss_scaler"] = self.loss_scaler.state_dict()

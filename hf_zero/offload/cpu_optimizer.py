@@ -852,6 +852,13 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             })
         return {"state": state, "param_groups": groups}, masters
 
+    def owners(self) -> dict[str, int] | None:
+        """``{parameter name: rank holding its fp32 master}`` at stages 0/1 (each rank steps whole
+        parameters it owns); None at stages 2/3, where every rank holds the master of its shards."""
+        if self._owner is None:
+            return None
+        return {self._names[id(p)]: self._owner[id(p)] for g in self.param_groups for p in g["params"]}
+
     def _state_template(self) -> dict[str, Any]:
         template = {key: None for key in self._state_keys}
         template.update(self._state_other)

@@ -483,22 +483,34 @@ class OffloadManager:
         with self.params.resident(write_back=write_back) if self.param_cfg.device == "nvme" else contextlib.nullcontext():
             yield
 
-    def checkpoint_state(self, state: dict[str, Any]) -> None:
+    def checkpoint_state(self, state: dict[str, Any], *, saving: bool = False) -> None:
         """Complete ``engine.state_dict()``'s ``state`` in place: the optimizer entry (when the
         optimizer is offloaded), fp32 masters in place of the 16-bit model entries, and host copies
-        of NVMe-swapped parameters."""
+        of NVMe-swapped parameters.
+
+        At stages 0/1 every rank holds the whole (16-bit) model but only a parameter's owner holds
+        its fp32 master. With ``saving`` the entry of each trainable parameter is then kept on its
+        owner only, as the master: DCP writes a key held by several ranks from any one of them, so
+        a 16-bit copy could otherwise stand in for the master in the checkpoint. A load template
+        (``saving=False``) keeps every entry on every rank (the owner's is its master, so it is
+        read in fp32); each rank's 16-bit parameters then get the master rounded."""
         module_state = state.get("module", {})
         replaced: set[str] = set()
         if self.optimizer is not None:
             optim_state, masters = self.optimizer.checkpoint_state()
             state["optimizer"] = optim_state
-            if self.stage >= 2:
-                aliases = self._aliases()
-                for name, master in masters.items():
-                    for alias in aliases.get(name, [name]):
-                        if alias in module_state:
-                            module_state[alias] = master
-                            replaced.add(alias)
+            aliases = self._aliases()
+            owners = self.optimizer.owners()
+            for name, master in masters.items():
+                for alias in aliases.get(name, [name]):
+                    if alias in module_state:
+                        module_state[alias] = master
+                        replaced.add(alias)
+            if owners is not None and saving:
+                for name, owner in owners.items():
+                    if owner != self.env.rank:
+                        for alias in aliases.get(name, [name]):
+                            module_state.pop(alias, None)
         if self.param_cfg.device == "nvme" and self.params is not None:
             self.params.materialize(module_state, skip=replaced)
 

@@ -46,6 +46,7 @@ class OffloadCase:
     buffer_count: int = 3
     max_in_cpu: int = 1_000_000_000
     steps: int = 4
+    load_dtype: str = "fp32"  # the dtype the model is loaded in (bf16: a `dtype="auto"` bf16 checkpoint)
     extra: dict = field(default_factory=dict, hash=False, compare=False)
 
     @property
@@ -55,6 +56,7 @@ class OffloadCase:
     @property
     def name(self) -> str:
         tail = f"-ratio{self.ratio}" if self.ratio < 1 else ""
+        tail += f"-load_{self.load_dtype}" if self.load_dtype != "fp32" else ""
         return f"{self.base.name}-opt_{self.optimizer}-param_{self.params}{tail}"
 
     @property
@@ -152,23 +154,54 @@ def run_parity(case: OffloadCase, nvme_dir: str, offload: bool) -> dict:
             "gathered": gathered if rank == 0 else None}
 
 
-def run_resume(case: OffloadCase, nvme_dir: str, ckpt_root: str, first_offloaded: bool) -> dict:
-    """Uninterrupted 4 steps (first kind) vs. 2 steps + checkpoint + 2 steps in the other kind."""
+def loaded_model(case: OffloadCase, seed: int = 0):
+    """The case's model as a user loads it: a bf16 checkpoint gives bf16 parameters."""
+    return tiny_model(case.model, seed=seed).to({"fp32": torch.float32, "bf16": torch.bfloat16}[case.load_dtype])
+
+
+def run_resume(case: OffloadCase, nvme_dir: str, ckpt_root: str, first_offloaded: bool,
+               then_offloaded: bool | None = None) -> dict:
+    """Uninterrupted ``steps`` (first kind) vs. ``steps - 2`` + checkpoint + 2 steps in the other
+    kind (or in ``then_offloaded``'s)."""
+    then_offloaded = (not first_offloaded) if then_offloaded is None else then_offloaded
     import hf_zero
     from hf_zero.checkpoint.sharded import load_checkpoint, save_checkpoint
 
     data = make_data(case.steps, case.gas, dist.get_world_size(), case.base.micro, case.base.seq)
-    engine = hf_zero.initialize(tiny_model(case.model), case.zero_config(nvme_dir, first_offloaded))
-    first, _ = train(engine, case, 0, 2, data)
-    ckpt = os.path.join(ckpt_root, f"{case.name}-{first_offloaded}")
+    engine = hf_zero.initialize(loaded_model(case), case.zero_config(nvme_dir, first_offloaded))
+    save_at = case.steps - 2  # the warm-up's first steps have lr 0: save after some real updates
+    first, _ = train(engine, case, 0, save_at, data)
+    ckpt = os.path.join(ckpt_root, f"{case.name}-{first_offloaded}-{then_offloaded}")
     save_checkpoint(engine, ckpt)
-    rest, _ = train(engine, case, 2, case.steps, data)
+    saved_fp32 = None
+    if case.load_dtype != "fp32" and dist.get_rank() == 0:
+        # What the checkpoint holds, read by torch's own converter: fp32 masters keep bits a
+        # 16-bit copy has lost.
+        from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+        dcp_to_torch_save(ckpt, ckpt + ".pt")
+        module = torch.load(ckpt + ".pt", weights_only=False)["module"]
+        saved_fp32 = {k: (v.dtype == torch.float32 and not torch.equal(v, v.to(torch.bfloat16).float()))
+                      for k, v in module.items() if k.endswith(".weight")}
+    rest, _ = train(engine, case, save_at, case.steps, data)
+    final = written_weights(engine) if case.load_dtype != "fp32" else None
     engine.close()
-    other = hf_zero.initialize(tiny_model(case.model, seed=7), case.zero_config(nvme_dir, not first_offloaded))
+    other = hf_zero.initialize(loaded_model(case, seed=7), case.zero_config(nvme_dir, then_offloaded))
     load_checkpoint(other, ckpt)
-    resumed, _ = train(other, case, 2, case.steps, data)
+    resumed, _ = train(other, case, save_at, case.steps, data)
+    final_resumed = written_weights(other) if case.load_dtype != "fp32" else None
     other.close()
-    return {"first": first, "uninterrupted": rest, "resumed": resumed}
+    return {"first": first, "uninterrupted": rest, "resumed": resumed, "saved_fp32": saved_fp32,
+            "final": final, "final_resumed": final_resumed}
+
+
+def written_weights(engine) -> dict:
+    """The model entries a checkpoint of a stage 0/1 ``engine`` would write (each from the rank
+    holding it: the fp32 masters with an offloaded optimizer), merged over the ranks."""
+    mine = {k: v.detach().float().cpu().clone() for k, v in engine.state_dict(saving=True)["module"].items()}
+    merged: list = [None] * dist.get_world_size()
+    dist.all_gather_object(merged, mine)
+    return {k: v for part in merged for k, v in part.items()}
 
 
 # ---------------------------------------------------------------------------------------------- faults
@@ -294,6 +327,11 @@ def main() -> None:
                 "offloaded_to_plain": run_resume(case, nvme_dir, ckpt_root, first_offloaded=True),
                 "plain_to_offloaded": run_resume(case, nvme_dir, ckpt_root, first_offloaded=False),
             }
+            if case.load_dtype != "fp32":
+                # 16-bit parameters compute differently from fp32 ones under autocast, so only a
+                # resume into the same kind can be compared exactly.
+                results[case.full_name]["offloaded_to_offloaded"] = run_resume(
+                    case, nvme_dir, ckpt_root, first_offloaded=True, then_offloaded=True)
     elif mode == "faults":
         work = os.path.dirname(out_path)
         for scenario in FAULTS:
