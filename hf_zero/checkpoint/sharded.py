@@ -225,12 +225,28 @@ def _model_entries(module: nn.Module) -> dict[str, dict[str, Any]]:
     return entries
 
 
+def _buffer_keys(module: nn.Module) -> set[str]:
+    """State-dict keys of the model that are buffers (not parameters)."""
+    params = {name for name, _ in module.named_parameters(remove_duplicate=False)}
+    return set(module.state_dict(keep_vars=True)) - params
+
+
+def _resized_buffers(info: dict[str, Any], module: nn.Module) -> dict[str, tuple[int, ...]]:
+    """Buffers whose shape changed since the checkpoint was saved (a history that grows as the
+    model trains): ``{key: saved shape}``. They are read in the saved shape, and the module's own
+    ``load_state_dict`` takes them, as the plain Trainer's resume does."""
+    saved = {k: tuple(v["shape"]) for k, v in info.get("params", {}).items()}
+    current = {k: tuple(v["shape"]) for k, v in _model_entries(module).items()}
+    return {k: saved[k] for k in _buffer_keys(module) & set(saved) & set(current) if saved[k] != current[k]}
+
+
 def _check_model_matches(info: dict[str, Any], module: nn.Module, path: str) -> None:
     saved = {k: tuple(v["shape"]) for k, v in info.get("params", {}).items()}
     current = {k: tuple(v["shape"]) for k, v in _model_entries(module).items()}
     missing = sorted(set(current) - set(saved))
     unexpected = sorted(set(saved) - set(current))
-    wrong = sorted(k for k in set(saved) & set(current) if saved[k] != current[k])
+    resized = _resized_buffers(info, module)
+    wrong = sorted(k for k in set(saved) & set(current) if saved[k] != current[k] and k not in resized)
     if missing or unexpected or wrong:
         lines = [f"{path} was saved from a different model:"]
         if missing:
@@ -453,6 +469,9 @@ def load_checkpoint(engine: Any, checkpoint_dir: str | os.PathLike) -> dict | No
     assert reader is not None
 
     state = _portable_state(engine, module)
+    for key, shape in _resized_buffers(info, module).items():
+        current = state["module"][key]
+        state["module"][key] = torch.empty(shape, dtype=current.dtype, device=current.device)
     local_groups = _local_param_groups(engine, module) if "optimizer" in state else None
     with warnings.catch_warnings():
         # DCP warns about keys it reshards and about the FSDP2 state-dict API being new.
