@@ -24,6 +24,7 @@ __all__ = [
     "gathered_parameters",
     "initialize",
     "load_config",
+    "prepare_frozen_model",
     "__version__",
 ]
 
@@ -35,6 +36,7 @@ _LAZY = {
     "ZeroEngine": ("hf_zero.engine.engine", "ZeroEngine"),
     "initialize": ("hf_zero.engine.initialize", "initialize"),
     "gathered_parameters": ("hf_zero.engine.sharded_access", "gathered_parameters"),
+    "prepare_frozen_model": ("hf_zero.engine.frozen", "prepare_frozen_model"),
     "estimate_memory": ("hf_zero.estimator", "estimate_memory"),
     "ZeroTrainer": ("hf_zero.integration.trainer", "ZeroTrainer"),
     "ZeroSeq2SeqTrainer": ("hf_zero.integration.trainer", "ZeroSeq2SeqTrainer"),
@@ -46,6 +48,7 @@ if TYPE_CHECKING:
     from hf_zero.config.errors import ZeroConfigError
     from hf_zero.config.schema import ZeroConfig
     from hf_zero.engine.engine import ZeroEngine
+    from hf_zero.engine.frozen import prepare_frozen_model
     from hf_zero.engine.initialize import initialize
     from hf_zero.estimator import estimate_memory
     from hf_zero.integration.arguments import ZeroTrainingArguments
