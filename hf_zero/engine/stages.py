@@ -198,6 +198,8 @@ class FullyShardedStage:
         self.offload = offload
         self.units: list[nn.Module] = []
         self.root: nn.Module | None = None
+        self.fsdp_extra: dict[str, Any] = {}
+        """More ``fully_shard`` arguments (a frozen model's ``offload_policy``: ``engine/frozen.py``)."""
 
     def _layout(self) -> dict[str, Any]:
         """What a sharded model's layout depends on; a second engine may only re-use an equal one."""
@@ -263,6 +265,7 @@ class FullyShardedStage:
         self.units = find_wrap_units(model)
         if self.offload is not None:
             kwargs.update(self.offload.prepare_fsdp(model, self.units))
+        kwargs.update(self.fsdp_extra)
         # Every rank's shards come from rank 0: ranks that loaded on the meta device (low-memory
         # loading) and ranks that built other weights (per-process seeds) start where rank 0 does.
         with sharded_from_rank0(model, mesh, sync_all=True):
