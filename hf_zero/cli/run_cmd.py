@@ -1,4 +1,8 @@
-"""``hf-zero run``: launch an unmodified Trainer script on N ranks with hf_zero underneath."""
+"""``hf-zero run``: launch an unmodified Trainer script on N ranks with hf_zero underneath.
+
+The line after ``hf-zero run`` is a torchrun line or a DeepSpeed-launcher line with the launcher's
+name replaced (:mod:`hf_zero.cli.launch` parses and plans it; torch's launcher runs it).
+"""
 
 from __future__ import annotations
 
@@ -8,23 +12,22 @@ import sys
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
+    from hf_zero.cli.launch.line import DESCRIPTION, USAGE
+
     p = subparsers.add_parser(
         "run",
-        help="run a Trainer script on several processes with --zero_config/--deepspeed routed to hf_zero",
-        description=(
-            "Runs SCRIPT with torch's elastic launcher (torchrun). Inside each rank, transformers' Trainer "
-            "and TrainingArguments are replaced by hf_zero's, so --zero_config ds.json (or --deepspeed "
-            "ds.json) trains with ZeRO without DeepSpeed. Example: hf-zero run --nproc_per_node 2 "
-            "finetune.py --zero_config ds_zero3.json --output_dir out --bf16 True"
-        ),
+        help="run a Trainer script on several processes (torchrun or deepspeed launch line) with "
+             "--zero_config/--deepspeed routed to hf_zero",
+        description=DESCRIPTION,
+        usage=USAGE,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        # The whole line is parsed by hf_zero.cli.launch (torchrun's options come from torch's own
+        # parser, built on demand). A prefix no argv can hold makes argparse hand it over untouched,
+        # so an unknown or misspelt option gets that parser's message, not a bare "unrecognized".
+        prefix_chars="\0",
+        add_help=False,
     )
-    p.add_argument("--nproc_per_node", type=int, default=None, help="processes per node (default: GPU count, or 1)")
-    p.add_argument("--nnodes", type=int, default=1)
-    p.add_argument("--node_rank", type=int, default=0)
-    p.add_argument("--master_addr", default=None)
-    p.add_argument("--master_port", type=int, default=None)
-    p.add_argument("script", help="the training script")
-    p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
+    p.add_argument("launch_line", nargs=argparse.REMAINDER)
     p.set_defaults(func=run)
 
 
@@ -38,24 +41,43 @@ def _gpus() -> tuple[list[str], bool]:
     return names, p2p
 
 
-def run(args: argparse.Namespace) -> int:
-    from hf_zero.cli.launch import plan_launch
+def _missing(script: str, as_module: bool) -> str | None:
+    """Why ``script`` cannot start (``None`` when it can): each rank runs it from this directory."""
+    if not as_module:
+        return None if os.path.isfile(script) else f"training script not found: {script}"
+    import importlib.util
 
-    if not os.path.isfile(args.script):
-        print(f"hf-zero run: training script not found: {args.script}", file=sys.stderr)
+    sys.path.insert(0, os.getcwd())  # `python -m` in each rank looks in the working directory first
+    try:
+        found = importlib.util.find_spec(script) is not None
+    except (ImportError, ValueError):
+        found = False
+    finally:
+        sys.path.pop(0)
+    return None if found else f"module not found: {script} (run from the directory that holds it, or install it)"
+
+
+def run(args: argparse.Namespace) -> int:
+    from hf_zero.cli.launch import LaunchLineError, launch_request, parse_launch_line, plan_request
+
+    try:
+        line = parse_launch_line(args.launch_line)
+    except SystemExit as exc:  # --help printed
+        return int(exc.code or 0)
+    except LaunchLineError as exc:
+        print(f"hf-zero run: {exc}", file=sys.stderr)
         return 2
     names, p2p = _gpus()
-    plan = plan_launch(
-        args.script,
-        args.script_args,
-        nproc_per_node=args.nproc_per_node,
-        nnodes=args.nnodes,
-        node_rank=args.node_rank,
-        master_addr=args.master_addr,
-        master_port=args.master_port,
-        gpu_names=names,
-        p2p_ok=p2p,
-    )
+    try:
+        request = launch_request(line, gpu_count=len(names), env=os.environ)
+        problem = _missing(request.script, request.module)
+        if problem:
+            print(f"hf-zero run: {problem}", file=sys.stderr)
+            return 2
+        plan = plan_request(request, gpu_names=names, p2p_ok=p2p)
+    except LaunchLineError as exc:
+        print(f"hf-zero run: {exc}", file=sys.stderr)
+        return 2
     for note in plan.notes:
         print(note, file=sys.stderr)
     os.environ.update(plan.env)

@@ -1,4 +1,4 @@
-"""``hf-zero run``: torchrun (torch's elastic launcher) running the script through hf_zero's bootstrap."""
+"""``hf-zero run``'s plan: the torchrun argv (ranks run hf_zero's bootstrap) and the environment."""
 
 from __future__ import annotations
 
@@ -7,7 +7,20 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-__all__ = ["LaunchPlan", "plan_launch", "nccl_env_for_gpus"]
+from hf_zero.cli.launch.line import launch_request, parse_launch_line
+from hf_zero.cli.launch.request import Given, LaunchLineError, LaunchRequest
+from hf_zero.cli.launch.torchrun_form import (
+    local_world_size,
+    nnodes_range,
+    parse_torchrun_args,
+    render_options,
+    torchrun_request,
+)
+from hf_zero.integration.bootstrap import PASS_LOCAL_RANK_ENV
+
+__all__ = ["BOOTSTRAP_MODULE", "LaunchPlan", "nccl_env_for_gpus", "plan_launch", "plan_launch_line", "plan_request"]
+
+BOOTSTRAP_MODULE = "hf_zero.integration.bootstrap"
 
 # GeForce/consumer cards whose NCCL P2P/IB paths fail without these variables (source 001:
 # "RTX 3090 or 4000 series doesn't support faster communication ... set NCCL_P2P_DISABLE=1 and
@@ -49,6 +62,73 @@ class LaunchPlan:
     notes: list[str]
 
 
+def _cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def plan_request(request: LaunchRequest, *, gpu_names: Sequence[str] = (), p2p_ok: bool = True,
+                 env: Mapping[str, str] | None = None) -> LaunchPlan:
+    """Build the torchrun argv and the environment for ``request`` (pure: no process is started).
+
+    Args:
+        request: the launch line in torchrun's terms (:func:`plan_launch_line` makes it).
+        gpu_names: the GPUs visible to this process (their count is the default process count).
+        p2p_ok: whether every pair of them has peer access (NCCL variables for consumer cards).
+        env: the environment the launch starts from (default: ``os.environ``).
+
+    Raises:
+        LaunchLineError: a value torch's parser refuses, or more processes than GPUs.
+    """
+    env = dict(os.environ if env is None else env)
+    options = dict(request.options)
+    if "nproc_per_node" not in options and "PET_NPROC_PER_NODE" not in env:
+        options = {"nproc_per_node": Given("--nproc_per_node", str(max(1, len(gpu_names)))), **options}
+    args = render_options(options)
+    parsed = parse_torchrun_args([*args, request.script])  # typed and checked by torch, as torchrun will
+    _, max_nodes = nnodes_range(parsed.nnodes)
+    if (not parsed.standalone and parsed.rdzv_backend == "static" and not parsed.rdzv_endpoint
+            and parsed.master_port is None and max_nodes == 1):
+        # torchrun itself turns this case into a c10d rendezvous on a free local port (run());
+        # saying --standalone makes the logged command show it.
+        args.append("--standalone")
+    nproc = local_world_size(parsed.nproc_per_node, len(gpu_names), _cores())
+    if gpu_names and nproc > len(gpu_names):
+        # Each rank takes GPU LOCAL_RANK (distributed/device.py select_device): the extra ranks would fail there.
+        raise LaunchLineError(
+            f"--nproc_per_node {parsed.nproc_per_node} starts {nproc} processes but {len(gpu_names)} GPU(s) are "
+            f"visible: each rank uses GPU LOCAL_RANK, so run at most {len(gpu_names)} (--nproc_per_node "
+            f"{len(gpu_names)}), or check CUDA_VISIBLE_DEVICES")
+    args += ["-m", BOOTSTRAP_MODULE, *(["-m"] if request.module else []), request.script, *request.script_args]
+
+    extra = dict(request.env)
+    if request.pass_local_rank:
+        extra[PASS_LOCAL_RANK_ENV] = "1"
+    nccl, notes = nccl_env_for_gpus(gpu_names, p2p_ok, env)
+    extra.update(nccl)
+    if "OMP_NUM_THREADS" not in env and nproc > 1:
+        # Ranks share the node's cores. torchrun would give each GPU rank a single thread, and the
+        # offloaded optimizer step (a CPU AdamW over the rank's whole shard) would run on one core.
+        extra["OMP_NUM_THREADS"] = str(max(1, _cores() // nproc))
+    return LaunchPlan(torchrun_args=args, env=extra, notes=[*request.notes, *notes])
+
+
+def plan_launch_line(argv: Sequence[str], *, gpu_names: Sequence[str] = (), p2p_ok: bool = True,
+                     env: Mapping[str, str] | None = None) -> LaunchPlan:
+    """Plan the line after ``hf-zero run`` (torchrun's or DeepSpeed's launcher options, SCRIPT, args).
+
+    Example::
+
+        >>> plan_launch_line(["--num_gpus", "2", "train.py", "--deepspeed", "ds.json"], env={}).torchrun_args
+        ['--nproc_per_node=2', '--standalone', '-m', 'hf_zero.integration.bootstrap', 'train.py', '--deepspeed', 'ds.json']
+
+    Raises:
+        LaunchLineError: the line cannot run (the message names the option and what to do).
+    """
+    env = dict(os.environ if env is None else env)
+    request = launch_request(parse_launch_line(argv), gpu_count=len(gpu_names), env=env)
+    return plan_request(request, gpu_names=gpu_names, p2p_ok=p2p_ok, env=env)
+
+
 def plan_launch(
     script: str,
     script_args: Sequence[str],
@@ -62,23 +142,18 @@ def plan_launch(
     p2p_ok: bool = True,
     env: Mapping[str, str] | None = None,
 ) -> LaunchPlan:
-    """Build the ``torchrun`` command line for ``script`` (pure: no process is started).
+    """Keyword form of :func:`plan_launch_line` for the common options (pure: no process is started).
 
-    One node without ``--master_addr`` uses ``--standalone`` (a free local port is picked).
+    One node without ``--master_addr`` uses ``--standalone`` (a free local port is picked); several
+    nodes meet at ``master_addr:master_port`` (default 127.0.0.1:29500).
     """
-    env = dict(os.environ if env is None else env)
-    nproc = nproc_per_node or max(1, len(gpu_names))
-    args = [f"--nproc_per_node={nproc}"]
-    if nnodes == 1 and master_addr is None:
-        args.append("--standalone")
-    else:
-        args += [f"--nnodes={nnodes}", f"--node_rank={node_rank}", f"--master_addr={master_addr or '127.0.0.1'}"]
-        args.append(f"--master_port={master_port or 29500}")
-    args += ["-m", "hf_zero.integration.bootstrap", script, *script_args]
-    extra, notes = nccl_env_for_gpus(gpu_names, p2p_ok, env)
-    if "OMP_NUM_THREADS" not in env and nproc > 1:
-        # Ranks share the node's cores. torchrun would give each GPU rank a single thread, and the
-        # offloaded optimizer step (a CPU AdamW over the rank's whole shard) would run on one core.
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or nproc)
-        extra["OMP_NUM_THREADS"] = str(max(1, cores // nproc))
-    return LaunchPlan(torchrun_args=args, env=extra, notes=notes)
+    options: dict[str, Given] = {}
+    if nproc_per_node:
+        options["nproc_per_node"] = Given("--nproc_per_node", str(nproc_per_node))
+    if nnodes != 1 or master_addr is not None:
+        options["nnodes"] = Given("--nnodes", str(nnodes))
+        options["node_rank"] = Given("--node_rank", str(node_rank))
+        options["master_addr"] = Given("--master_addr", master_addr or "127.0.0.1")
+        options["master_port"] = Given("--master_port", str(master_port or 29500))
+    request = torchrun_request(options, script, list(script_args))
+    return plan_request(request, gpu_names=gpu_names, p2p_ok=p2p_ok, env=env)

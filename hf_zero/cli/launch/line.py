@@ -1,0 +1,133 @@
+"""Parse an ``hf-zero run`` line: torchrun's options, or the DeepSpeed launcher's, then SCRIPT.
+
+One parser holds both launchers' options (torchrun's from torch's own parser); which of them the
+line uses decides its form. Options both launchers have (``--master_port``, ``--master_addr``,
+``--node_rank``, ``--module``, ``--no_python``) decide nothing; a line with no DeepSpeed-only option
+is a torchrun line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from hf_zero.cli.launch.deepspeed_form import add_deepspeed_options, deepspeed_request
+from hf_zero.cli.launch.request import Given, LaunchLineError, LaunchRequest, given_options
+from hf_zero.cli.launch.torchrun_form import add_torchrun_options, torchrun_request
+
+__all__ = ["ParsedLine", "build_launch_parser", "launch_request", "parse_launch_line"]
+
+USAGE = "hf-zero run [torchrun options | DeepSpeed launcher options] SCRIPT [SCRIPT ARGS ...]"
+DESCRIPTION = """\
+Runs SCRIPT on several processes with torch's elastic launcher (torchrun). In each rank,
+transformers' Trainer and TrainingArguments are replaced by hf_zero's before SCRIPT starts, so
+--zero_config ds.json (or --deepspeed ds.json) trains with ZeRO without DeepSpeed.
+
+Replace `torchrun` or `deepspeed` on your launch line with `hf-zero run`:
+  torchrun --standalone --nnodes=1 --nproc_per_node=2 train.py ...  ->  hf-zero run --standalone --nnodes=1 --nproc_per_node=2 train.py ...
+  deepspeed --num_gpus 2 train.py --deepspeed ds.json               ->  hf-zero run --num_gpus 2 train.py --deepspeed ds.json
+  deepspeed --include localhost:0,1 --master_port 29501 train.py    ->  hf-zero run --include localhost:0,1 --master_port 29501 train.py
+
+Without --nproc_per_node (or --num_gpus/--include/--exclude) one process per visible GPU, or one
+on a CPU machine. With DeepSpeed-launcher options each rank's SCRIPT gets --local_rank=N, as
+DeepSpeed passes it. Several nodes: on each node run
+  hf-zero run --nnodes 2 --node_rank R --master_addr NODE0_ADDRESS --master_port 29500 --nproc_per_node 8 train.py ...
+"""
+
+
+class _LaunchParser(argparse.ArgumentParser):
+    """argparse that raises :class:`LaunchLineError` instead of printing and exiting, so that
+    ``hf-zero run`` reports every bad line the same way (and tests can read the message)."""
+
+    def error(self, message: str):
+        if message.startswith("the following arguments are required"):
+            message = "no SCRIPT given"  # argparse would also list SCRIPT ARGS, which may be empty
+        raise LaunchLineError(f"{message}. Usage: {USAGE} (hf-zero run --help lists the options)")
+
+
+def build_launch_parser() -> tuple[argparse.ArgumentParser, dict[str, str]]:
+    """The ``hf-zero run`` parser: torchrun's options, DeepSpeed's, SCRIPT and its arguments.
+
+    Returns:
+        The parser, and DeepSpeed option name -> the key it is recorded under
+        (see :func:`hf_zero.cli.launch.deepspeed_form.add_deepspeed_options`).
+    """
+    parser = _LaunchParser(prog="hf-zero run", usage=USAGE, description=DESCRIPTION,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_torchrun_options(parser)
+    keys = add_deepspeed_options(parser)
+    parser.add_argument("script", metavar="SCRIPT",
+                        help="the training script (a module name with --module/-m)")
+    parser.add_argument("script_args", nargs=argparse.REMAINDER, metavar="SCRIPT ARGS",
+                        help="the script's own arguments (--zero_config ds.json, --output_dir, ...)")
+    return parser, keys
+
+
+@dataclass(frozen=True)
+class ParsedLine:
+    """An ``hf-zero run`` line as parsed, before its form is decided.
+
+    Attributes:
+        given: every launcher option given, by key (torchrun's dest, or ``deepspeed.NAME``).
+        deepspeed_keys: DeepSpeed option name -> its key in ``given``.
+        script: SCRIPT.
+        script_args: SCRIPT's arguments.
+    """
+
+    given: Mapping[str, Given]
+    deepspeed_keys: Mapping[str, str]
+    script: str
+    script_args: tuple[str, ...]
+
+
+def parse_launch_line(argv: Sequence[str]) -> ParsedLine:
+    """Parse the arguments after ``hf-zero run``.
+
+    Raises:
+        LaunchLineError: an unknown option (with the closest known one), a bad value, or no SCRIPT.
+        SystemExit: ``-h``/``--help`` (after printing the help).
+    """
+    parser, keys = build_launch_parser()
+    namespace, unknown = parser.parse_known_args(list(argv))
+    if unknown:
+        raise LaunchLineError(_unknown_option_message(unknown[0], parser))
+    return ParsedLine(given=given_options(namespace), deepspeed_keys=keys, script=namespace.script,
+                      script_args=tuple(namespace.script_args))
+
+
+def launch_request(line: ParsedLine, *, gpu_count: int, env: Mapping[str, str]) -> LaunchRequest:
+    """Decide the line's form and translate it into a :class:`LaunchRequest`.
+
+    Args:
+        line: the parsed line.
+        gpu_count: GPUs visible to this process (DeepSpeed's --include/--exclude/--num_gpus check it).
+        env: the environment (``CUDA_VISIBLE_DEVICES``).
+
+    Raises:
+        LaunchLineError: torchrun-only and DeepSpeed-only options on one line, or what the form refuses.
+    """
+    deepspeed_only = [k for k in line.given if k.startswith("deepspeed.")]
+    shared = {k for k in line.deepspeed_keys.values() if not k.startswith("deepspeed.")}
+    torchrun_only = [k for k in line.given if not k.startswith("deepspeed.") and k not in shared]
+    if deepspeed_only and torchrun_only:
+        t, d = line.given[torchrun_only[0]].spelling, line.given[deepspeed_only[0]].spelling
+        raise LaunchLineError(
+            f"{t} is a torchrun option and {d} a DeepSpeed launcher option: use one launcher's options on a line. "
+            "torchrun form: hf-zero run --nproc_per_node 2 SCRIPT ...; DeepSpeed form: hf-zero run --num_gpus 2 "
+            "SCRIPT ... (--master_port, --master_addr, --node_rank, --module go with either)")
+    if deepspeed_only:
+        given = {name: line.given[key] for name, key in line.deepspeed_keys.items() if key in line.given}
+        return deepspeed_request(given, line.script, line.script_args, gpu_count=gpu_count, env=env)
+    return torchrun_request(line.given, line.script, list(line.script_args))
+
+
+def _unknown_option_message(token: str, parser: argparse.ArgumentParser) -> str:
+    option = token.split("=", 1)[0]
+    known = [s for s in parser._option_string_actions if s.startswith("--")]
+    close = difflib.get_close_matches(option, known, n=1)
+    hint = f" (did you mean {close[0]}?)" if close else ""
+    return (f"unknown launcher option {option}{hint}. hf-zero run takes torchrun's options and the DeepSpeed "
+            "launcher's one-node options before SCRIPT (hf-zero run --help lists them); options for your script go "
+            "after SCRIPT")
