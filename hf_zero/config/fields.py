@@ -20,8 +20,8 @@ from hf_zero.config.converters import (
     _str,
 )
 
-SUPPORTED_OPTIMIZERS = ("adam", "adamw", "sgd", "lion", "lamb")
-_OPTIMIZER_DISPLAY = "Adam, AdamW, SGD, Lion or Lamb"
+SUPPORTED_OPTIMIZERS = ("adam", "adamw", "sgd", "lion", "lamb", "muon")
+_OPTIMIZER_DISPLAY = "Adam, AdamW, SGD, Lion, Lamb or Muon"
 
 SCHEDULER_TYPES: dict[str, type] = {
     "WarmupLR": S.WarmupLRParams,
@@ -173,8 +173,27 @@ _OPTIMIZER_PARAMS: dict[str, Fields] = {
         "max_coeff": ("max_coeff", _float(0.0, exclusive_min=True)),
         "min_coeff": ("min_coeff", _float(0.0)),
     },
+    # The keys DeepSpeed 0.19's engine reads for Muon (_MUON_HALF_KEYS, _ADAM_HALF_KEYS, muon_lr,
+    # adam_lr, adam_w_mode, torch_adam); per_head_muon is in the refused table. ns_method is
+    # compared case-sensitively, as DeepSpeed's assert does.
+    "muon": {
+        "lr": _LR, "muon_lr": ("muon_lr", _float(0.0)), "adam_lr": ("adam_lr", _float(0.0)),
+        "momentum": ("momentum", _float(0.0, 1.0)), "weight_decay": _WD,
+        "ns_method": ("ns_method", _choice({"gram": "gram", "standard": "standard"}, case_sensitive=True)),
+        "betas": ("betas", _betas()), "eps": _EPS,
+        "adam_w_mode": ("adam_w_mode", _bool()), "torch_adam": ("torch_adam", _bool()),
+    },
 }
 _OPTIMIZER_PARAMS["adamw"] = _OPTIMIZER_PARAMS["adam"]
+# What DeepSpeed's Muon uses for a key the config leaves out (runtime/zero/muon/original_muon.py
+# MuonWithAuxAdam.__init__): the Muon half's lr and momentum, the Adam half's lr, betas and eps.
+MUON_DEFAULTS: dict[str, Any] = {"muon_lr": 0.02, "momentum": 0.95, "adam_lr": 3e-4, "betas": (0.9, 0.95), "eps": 1e-10}
+# Keys users copy from other Muon implementations that DeepSpeed does not read: its Muon always
+# runs 5 Newton-Schulz steps with Nesterov momentum.
+MUON_FIXED: dict[str, str] = {
+    "ns_steps": "DeepSpeed's Muon always runs 5 Newton-Schulz steps and does not read ns_steps; remove it",
+    "nesterov": "DeepSpeed's Muon always uses Nesterov momentum and does not read nesterov; remove it",
+}
 
 _WARMUP_TYPE = ("warmup_type", _choice({"log": "log", "linear": "linear"}, case_sensitive=True))
 _WARMUP_BASE: Fields = {

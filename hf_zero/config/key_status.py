@@ -12,6 +12,8 @@ Example::
     'implemented'
     >>> key_status("zero_optimization.round_robin_gradients")
     'no_effect'
+    >>> key_status("optimizer.params.muon_lr")
+    'implemented'
 """
 
 from __future__ import annotations
@@ -40,6 +42,9 @@ _SECTIONS: dict[str, list[dict]] = {
     "checkpoint": [F._CHECKPOINT],
     **{name: [fields] for name, fields in F._MONITORS.items()},
     "optimizer": [dict.fromkeys(("type", "params"))],
+    # Every optimizer type's params (adam, sgd, lion, lamb, muon); which type takes which key is
+    # the parser's check (a key of another type is an error naming the type).
+    "optimizer.params": list(F._OPTIMIZER_PARAMS.values()),
     "scheduler": [dict.fromkeys(("type", "params"))],
 }
 

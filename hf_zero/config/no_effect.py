@@ -90,6 +90,7 @@ NO_EFFECT_KEYS: dict[str, str] = {
     "optimizer.params.torch_adam": "hf_zero always uses torch's Adam/AdamW",
     "optimizer.params.set_grad_none": "gradients are always set to None by zero_grad",
     "optimizer.params.eps_inside_sqrt": "false changes nothing (true is rejected)",
+    "optimizer.params.per_head_muon": "false changes nothing (true is rejected)",
     "scheduler.params.last_batch_iteration": "resuming restores the scheduler state from the checkpoint",
     # aio (NVMe)
     "aio.use_gds": "no GPUDirect Storage; NVMe swaps go through pinned host memory",
@@ -107,7 +108,7 @@ NO_EFFECT_KEYS: dict[str, str] = {
     "zero_optimization.enable_sanity_checks": "DeepSpeed stage-3 debugging checks; FSDP2 has its own",
     "zero_optimization.leaf_module": "FSDP2 units are transformer blocks (_no_split_modules); MoE blocks are gathered whole",
     "zero_optimization.parameter_alignment": "FSDP2 pads shards itself",
-    "zero_optimization.save_muon_momentum_buffer_in_memory": "only used by DeepSpeed's Muon optimizer",
+    "zero_optimization.save_muon_momentum_buffer_in_memory": "Muon's momentum always stays in memory, sharded with the parameters (hf_zero does not offload a Muon optimizer, so there is no NVMe swap to keep it out of)",
     "zero_optimization.zenflow": "an empty section changes nothing (ZenFlow settings are rejected)",
     "zero_optimization.offload_optimizer.super_offload": "the offloaded step runs hf_zero's CPU optimizer (no Superchip-specific path)",
     "zero_optimization.offload_optimizer.cpuadam_cores_perc": "the CPU step uses torch's threads; set OMP_NUM_THREADS to choose the cores",

@@ -45,13 +45,15 @@ from hf_zero.config.fields import (  # noqa: F401 - the tables are part of this 
     _ZERO,
     _ZERO_ALIASES,
     _ZERO_LEGACY_OFFLOAD,
+    MUON_DEFAULTS,
+    MUON_FIXED,
     SCHEDULER_TYPES,
     SUPPORTED_OPTIMIZERS,
     Fields,
     _children,
 )
 from hf_zero.config.no_effect import NO_EFFECT_KEYS, describe_no_effect
-from hf_zero.config.refused import UNSUPPORTED, UNSUPPORTED_OPTIMIZERS, _always  # noqa: F401
+from hf_zero.config.refused import UNSUPPORTED, UNSUPPORTED_OPTIMIZERS, UNSUPPORTED_WITH_OPTIMIZER, _always  # noqa: F401
 from hf_zero.config.schema import AUTO, ZeroConfig  # noqa: F401
 from hf_zero.config.sources import ConfigSource, deep_merge, load_raw
 
@@ -197,7 +199,7 @@ class _Parser:
         zero = self.zero_section(raw.get("zero_optimization"))
         fp16 = self.section("fp16", raw.get("fp16"), _FP16, field_prefix="fp16.")
         bf16 = self.section("bf16", raw.get("bf16"), _BF16, field_prefix="bf16.")
-        optimizer = self.optimizer_section(raw.get("optimizer"))
+        optimizer = self.optimizer_section(raw.get("optimizer"), zero)
         scheduler = self.scheduler_section(raw.get("scheduler"))
         aio = self.section("aio", raw.get("aio"), _AIO, field_prefix="aio.", aliases=_AIO_ALIASES)
         act = self.section("activation_checkpointing", raw.get("activation_checkpointing"), _ACT_CKPT,
@@ -350,7 +352,7 @@ class _Parser:
                 kept[key] = value
         return kept
 
-    def optimizer_section(self, raw: Any) -> S.OptimizerConfig | None:
+    def optimizer_section(self, raw: Any, zero: S.ZeroOptimizationConfig | None = None) -> S.OptimizerConfig | None:
         if raw is None:
             return None
         if not isinstance(raw, dict):
@@ -376,11 +378,16 @@ class _Parser:
                 fix = (f'did you mean "{close[0]}"? ' if close else "") + f"use {_OPTIMIZER_DISPLAY}"
                 self.problem("optimizer.type", type_name, "is not an optimizer hf_zero implements", fix)
             return None
+        params = raw.get("params")
+        if canonical == "muon" and isinstance(params, dict):
+            params = self.drop_muon_fixed(params)
         params = self.drop_foreign_params(
-            "optimizer.params", raw.get("params"), type_name, _OPTIMIZER_PARAMS[canonical],
+            "optimizer.params", params, type_name, _OPTIMIZER_PARAMS[canonical],
             set().union(*_OPTIMIZER_PARAMS.values()),
         )
         kw = self.section("optimizer.params", params, _OPTIMIZER_PARAMS[canonical], field_prefix="optimizer.")
+        if canonical == "muon":
+            self.muon_settings(kw, zero)
         if canonical == "adamw":
             if kw.get("adam_w_mode") is False:
                 # DeepSpeed ignores it as well (engine.py: effective_adam_w_mode = name == adamw or ...).
@@ -391,6 +398,31 @@ class _Parser:
                 )
             kw["adam_w_mode"] = True
         return S.OptimizerConfig(type=canonical, **kw)
+
+    def drop_muon_fixed(self, params: dict[str, Any]) -> dict[str, Any]:
+        """Report the keys DeepSpeed's Muon does not read (``ns_steps``, ``nesterov``)."""
+        for key in MUON_FIXED:
+            if key in params:
+                self.problem(f"optimizer.params.{key}", params[key], "is not a setting of DeepSpeed's Muon",
+                             MUON_FIXED[key])
+        return {k: v for k, v in params.items() if k not in MUON_FIXED}
+
+    def muon_settings(self, kw: dict[str, Any], zero: S.ZeroOptimizationConfig | None) -> None:
+        """DeepSpeed's Muon defaults for absent keys, and the settings refused with Muon."""
+        for key, default in MUON_DEFAULTS.items():
+            if key in ("muon_lr", "adam_lr") and "lr" in kw:
+                continue  # an explicit (or "auto") lr is both halves' lr
+            kw.setdefault(key, default)
+        if kw.get("momentum", 0.0) >= 1.0:
+            self.problem("optimizer.params.momentum", kw["momentum"], "must be < 1 for Muon",
+                         "write a value in [0, 1) such as 0.95 (DeepSpeed's default)")
+        for dotted, (refused, fix) in UNSUPPORTED_WITH_OPTIMIZER["muon"].items():
+            section, _, rest = dotted.partition(".")
+            value: Any = zero if section == "zero_optimization" else None
+            for name in rest.split("."):
+                value = getattr(value, name, None)
+            if value is not None and refused(value):
+                self.problem(dotted, value, 'is not supported with optimizer type "Muon"', fix)
 
     def scheduler_section(self, raw: Any) -> S.SchedulerConfig | None:
         if raw is None:

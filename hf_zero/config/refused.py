@@ -11,7 +11,7 @@ import json
 from collections.abc import Mapping
 from typing import Any, Callable
 
-__all__ = ["UNSUPPORTED", "UNSUPPORTED_OPTIMIZERS"]
+__all__ = ["UNSUPPORTED", "UNSUPPORTED_OPTIMIZERS", "UNSUPPORTED_WITH_OPTIMIZER"]
 
 def _when(text: str):
     """Attach the docs' "rejected when" text to a predicate."""
@@ -90,6 +90,7 @@ UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "fp16.fp16_master_weights_and_grads": (_true, "hf_zero keeps fp32 master weights; set it to false or remove it"),
     "optimizer.params.max_grad_norm": (_always, 'gradient clipping is a top-level setting: use "gradient_clipping" instead (DeepSpeed rejects it here too)'),
     "optimizer.params.eps_inside_sqrt": (_true, "the Lamb eps-inside-sqrt variant is not implemented; remove it"),
+    "optimizer.params.per_head_muon": (_true, "per-head Newton-Schulz (DeepSpeed's opt-in for attention projections) is not implemented; remove per_head_muon to orthogonalize each matrix whole (DeepSpeed's default)"),
     "zero_optimization.zero_quantized_weights": (_true, "ZeRO++ quantized weights change numerics and are not implemented; set it to false"),
     "zero_optimization.zero_quantized_nontrainable_weights": (_true, "quantized frozen weights are not implemented; set it to false (for QLoRA load the model with bitsandbytes instead)"),
     "zero_optimization.zero_quantized_gradients": (_true, "ZeRO++ quantized gradients change numerics and are not implemented; set it to false"),
@@ -106,4 +107,20 @@ UNSUPPORTED_OPTIMIZERS = {
     "muadam": "MuP optimizers are not implemented",
     "muadamw": "MuP optimizers are not implemented",
     "musgd": "MuP optimizers are not implemented",
+}
+
+
+# Settings refused only together with one optimizer type: type -> {dotted key -> (predicate on the
+# parsed value, what to do instead)}. DeepSpeed 0.19 runs Muon with offload_optimizer (it gathers
+# each matrix's gradient from the host partitions); hf_zero's offloaded optimizer steps flat host
+# chunks of each rank's shard, where Muon has no matrix to orthogonalize.
+UNSUPPORTED_WITH_OPTIMIZER: dict[str, dict[str, tuple[Callable[[Any], bool], str]]] = {
+    "muon": {
+        "zero_optimization.offload_optimizer.device": (
+            _not("none"),
+            'hf_zero\'s offloaded optimizer steps flat chunks of each shard, and Muon needs whole matrices; set '
+            'offload_optimizer.device to "none" (at stage 3, offload_param with device "cpu" still keeps the '
+            'parameters in host memory), or use AdamW with offload',
+        ),
+    },
 }

@@ -137,7 +137,8 @@ class BF16Config:
 @dataclass(**_frozen)
 class OptimizerConfig:
     """``optimizer``: a DeepSpeed optimizer section. ``type`` is canonical lower case
-    (``adam``, ``adamw``, ``sgd``, ``lion``, ``lamb``)."""
+    (``adam``, ``adamw``, ``sgd``, ``lion``, ``lamb``, ``muon``). For ``muon`` the parser fills
+    absent keys with DeepSpeed's Muon defaults (``config/fields.py`` ``MUON_DEFAULTS``)."""
 
     type: str
     lr: float | Auto = 1e-3
@@ -151,13 +152,19 @@ class OptimizerConfig:
     amsgrad: bool = False
     bias_correction: bool = True
     momentum: float = 0.0
-    """SGD momentum."""
+    """SGD momentum; Muon's momentum (beta, DeepSpeed's default 0.95)."""
     dampening: float = 0.0
     nesterov: bool = False
     max_coeff: float = 10.0
     """Lamb: upper bound of the trust ratio."""
     min_coeff: float = 0.01
     """Lamb: lower bound of the trust ratio."""
+    muon_lr: float | None = None
+    """Muon: learning rate of the matrices (the Muon half); None = ``lr``."""
+    adam_lr: float | None = None
+    """Muon: learning rate of the other parameters (the Adam half); None = ``lr``."""
+    ns_method: Literal["gram", "standard"] = "gram"
+    """Muon: Newton-Schulz on the Gram matrix (DeepSpeed's default) or the plain iteration."""
 
 
 @dataclass(**_frozen)

@@ -5,6 +5,10 @@ optimizer over a subset of them, so an optimizer created before wrapping must be
 recipe records the optimizer class, its defaults and its param groups by parameter *name*; it is
 made from the config's ``optimizer`` section, from a callable ``params -> optimizer``, or from the
 caller's optimizer instance (the Trainer's).
+
+A Muon section also splits every group into its Muon and Adam halves by parameter name and shape
+(:func:`hf_zero.optim.muon.muon_param_groups`), as DeepSpeed's engine does; the names are the
+model's, which FSDP2 keeps, so the split is the same at every stage.
 """
 
 from __future__ import annotations
@@ -41,12 +45,16 @@ class OptimizerRecipe:
     """Parameter names and hyper-parameters of each group (empty: one group, all trainable params)."""
     optimizer_class: type[torch.optim.Optimizer] | None = None
     defaults: dict[str, Any] = field(default_factory=dict)
+    split: Callable[[list[dict[str, Any]], dict[int, str]], list[dict[str, Any]]] | None = None
+    """Rewrites the groups given ``id(param) -> name`` (Muon's halves); None keeps them."""
 
     @classmethod
     def from_config(cls, section: OptimizerConfig) -> OptimizerRecipe:
+        from hf_zero.optim.muon import muon_param_groups
         from hf_zero.optim.optimizers import build_optimizer
 
-        return cls(build=lambda groups: build_optimizer(section, groups))
+        split = muon_param_groups if section.type == "muon" else None
+        return cls(build=lambda groups: build_optimizer(section, groups), split=split)
 
     @classmethod
     def from_callable(cls, fn: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]) -> OptimizerRecipe:
@@ -92,8 +100,13 @@ class OptimizerRecipe:
         for stored, original in lifted_keys(model).items():  # groups recorded before 0-dim params were lifted
             by_name.setdefault(original, by_name[stored])
         if not self.groups:
-            return [{"params": [p for p in by_name.values() if p.requires_grad]}]
-        return [
-            {"params": [by_name[n] for n in names if by_name[n].requires_grad], **hyper}
-            for names, hyper in self.groups
-        ]
+            groups = [{"params": [p for p in by_name.values() if p.requires_grad]}]
+        else:
+            groups = [
+                {"params": [by_name[n] for n in names if by_name[n].requires_grad], **hyper}
+                for names, hyper in self.groups
+            ]
+        if self.split is not None:
+            names = {id(p): n for n, p in model.named_parameters(remove_duplicate=True)}
+            groups = self.split(groups, names)
+        return groups

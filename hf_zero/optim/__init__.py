@@ -3,6 +3,7 @@
 
 from hf_zero.optim.lamb import Lamb
 from hf_zero.optim.lion import Lion
+from hf_zero.optim.muon import MuonWithAuxAdam, muon_param_groups, uses_muon
 from hf_zero.optim.optimizers import SUPPORTED_OPTIMIZERS, build_optimizer, optimizer_state_bytes
 from hf_zero.optim.schedulers import (
     SCHEDULER_TYPES,
@@ -21,6 +22,9 @@ __all__ = [
     "SUPPORTED_OPTIMIZERS",
     "Lion",
     "Lamb",
+    "MuonWithAuxAdam",
+    "muon_param_groups",
+    "uses_muon",
     "build_scheduler",
     "SCHEDULER_TYPES",
     "DeepSpeedLRScheduler",

@@ -13,6 +13,10 @@ adamw     ``torch.optim.AdamW`` whatever ``adam_w_mode`` says (DeepSpeed: ``name
 sgd       ``torch.optim.SGD`` (momentum, dampening, nesterov, weight_decay).
 lion      :class:`hf_zero.optim.lion.Lion` (FusedLion math).
 lamb      :class:`hf_zero.optim.lamb.Lamb` (FusedLamb math: trust-ratio clamp, folded bias correction).
+muon      :class:`hf_zero.optim.muon.MuonWithAuxAdam` (DeepSpeed's ``MuonWithAuxAdam``): Muon for the
+          matrices, AdamW for the rest. The param groups must say ``use_muon``; the engine splits
+          them by name and shape (:func:`hf_zero.optim.muon.muon_param_groups`). ``muon_lr`` /
+          ``adam_lr`` set each half's lr, ``lr`` both.
 ========  ==========================================================================================
 
 ``torch_adam`` is accepted and changes nothing: hf_zero always uses torch's Adam/AdamW, whose
@@ -35,10 +39,11 @@ import torch
 from hf_zero.config.schema import AUTO, OptimizerConfig
 from hf_zero.optim.lamb import Lamb
 from hf_zero.optim.lion import Lion
+from hf_zero.optim.muon import MuonWithAuxAdam
 
 __all__ = ["build_optimizer", "optimizer_state_bytes", "SUPPORTED_OPTIMIZERS"]
 
-SUPPORTED_OPTIMIZERS = ("adam", "adamw", "sgd", "lion", "lamb")
+SUPPORTED_OPTIMIZERS = ("adam", "adamw", "sgd", "lion", "lamb", "muon")
 """Canonical (lower-case) ``optimizer.type`` values that :func:`build_optimizer` understands."""
 
 # Fields that "auto" may stand for in a DeepSpeed optimizer section (transformers fills these from
@@ -96,7 +101,8 @@ def build_optimizer(
         cfg: The ``optimizer`` section; ``cfg.type`` is canonical lower case and ``lr``, ``betas``,
             ``eps`` and ``weight_decay`` must be numbers (not ``"auto"``).
         params: Tensors, or param-group dicts (``{"params": [...], "weight_decay": 0.0, ...}``).
-            Keys a group sets override the section's values for that group, as in torch.
+            Keys a group sets override the section's values for that group, as in torch. For
+            Muon, dicts with ``use_muon`` (see :func:`hf_zero.optim.muon.muon_param_groups`).
 
     Returns:
         A ``torch.optim.Optimizer`` whose ``param_groups`` follow ``params``.
@@ -104,7 +110,7 @@ def build_optimizer(
     Raises:
         ValueError: ``cfg.type`` is unknown, a field is still ``"auto"``, or the section asks for
             something the chosen optimizer cannot do (``bias_correction: false`` with Adam,
-            ``amsgrad`` with Lion/Lamb).
+            ``amsgrad`` with Lion/Lamb/Muon, Muon groups without ``use_muon``).
 
     Example::
 
@@ -166,6 +172,21 @@ def build_optimizer(
             bias_correction=cfg.bias_correction,
             max_coeff=cfg.max_coeff,
             min_coeff=cfg.min_coeff,
+        )
+    if kind == "muon":
+        if cfg.amsgrad or not cfg.bias_correction:
+            raise ValueError("optimizer.params.amsgrad / bias_correction are not settings of Muon's Adam half "
+                             "(DeepSpeed runs it bias-corrected, without AMSGrad); remove them")
+        return MuonWithAuxAdam(
+            items,
+            lr=cfg.lr if cfg.muon_lr is None else cfg.muon_lr,
+            momentum=cfg.momentum,
+            weight_decay=cfg.weight_decay,
+            ns_method=cfg.ns_method,
+            adam_lr=cfg.lr if cfg.adam_lr is None else cfg.adam_lr,
+            betas=betas,
+            eps=cfg.eps,
+            adam_w_mode=cfg.adam_w_mode,
         )
     raise ValueError(
         f"optimizer.type={cfg.type!r} is not supported; use one of {', '.join(SUPPORTED_OPTIMIZERS)}"
