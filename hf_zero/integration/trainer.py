@@ -121,6 +121,10 @@ class ZeroTrainerMixin:
             resolve_auto(self._zero_config(), training_args=self.args, world_size=self.args.world_size)
             if self._zero_config().stage >= 1 and getattr(self.args, "fsdp", None):
                 raise ValueError("--fsdp and --zero_config both shard the model; pass only one of them")
+            # Reference/reward/teacher models prepared for evaluation (TRL) are placed by hf_zero.
+            from hf_zero.integration.frozen_models import route_frozen_models
+
+            route_frozen_models(self)
             if self.args.should_save:
                 # A save killed between moving checkpoint-N aside and renaming its successor in
                 # (filesystems without an atomic swap): checkpoint-N is put back before any resume.
