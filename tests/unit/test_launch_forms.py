@@ -375,3 +375,59 @@ def test_bootstrap_gives_local_rank_first_like_deepspeed_and_runs_modules(tmp_pa
     (tmp_path / "pkg" / "train.py").write_text(_RECORD)
     argv = _bootstrap(["-m", "pkg.train", "--x", "1"], tmp_path, LOCAL_RANK="0")
     assert argv == [str(tmp_path / "pkg" / "train.py"), "--x", "1"]  # as `python -m pkg.train --x 1`
+
+
+# --------------------------------------------------------------------------------------------
+# end to end: two CPU ranks per line, against plain torchrun running the same script
+
+_RANK_RECORDER = """\
+import json, os, sys
+out = sys.argv[sys.argv.index("--out") + 1]
+transformers = sys.modules.get("transformers")  # imported by hf_zero's bootstrap only
+record = {"argv": sys.argv[1:], "env": {k: os.environ.get(k) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE")},
+          "trainer_module": transformers.Trainer.__module__ if transformers else None}
+with open(os.path.join(out, "rank%s.json" % os.environ["RANK"]), "w") as f:
+    json.dump(record, f)
+"""
+
+
+def _launch_and_read(prefix: list[str], script: Path, out: Path) -> dict[int, dict]:
+    import json
+
+    out.mkdir()
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    env.pop(PASS_LOCAL_RANK_ENV, None)
+    proc = subprocess.run([*prefix, str(script), "--out", str(out), "--flag"], cwd=script.parent, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, f"{prefix} exited {proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
+    records = {int(p.stem[4:]): json.loads(p.read_text()) for p in out.glob("rank*.json")}
+    assert sorted(records) == [0, 1], records
+    return records
+
+
+def _argv(record: dict, out: Path) -> list[str]:
+    return ["OUT" if a == str(out) else a for a in record["argv"]]
+
+
+@pytest.mark.slow
+def test_torchrun_and_deepspeed_lines_start_two_ranks_like_their_launchers(tmp_path):
+    script = tmp_path / "record.py"
+    script.write_text(_RANK_RECORDER)
+    line = ["--standalone", "--nnodes=1", "--nproc_per_node=2"]
+    plain = _launch_and_read([sys.executable, "-m", "torch.distributed.run", *line], script, tmp_path / "plain")
+    hf_zero_run = [sys.executable, "-m", "hf_zero.cli.main", "run"]
+    torchrun_form = _launch_and_read([*hf_zero_run, *line], script, tmp_path / "torchrun_form")
+    deepspeed_form = _launch_and_read([*hf_zero_run, "--num_gpus", "2"], script, tmp_path / "deepspeed_form")
+    for rank in (0, 1):
+        # the torchrun line: what plain torchrun gives the script, with transformers' Trainer swapped
+        assert _argv(torchrun_form[rank], tmp_path / "torchrun_form") == _argv(plain[rank], tmp_path / "plain") \
+            == ["--out", "OUT", "--flag"]
+        assert torchrun_form[rank]["env"] == plain[rank]["env"] == {"RANK": str(rank), "LOCAL_RANK": str(rank),
+                                                                    "WORLD_SIZE": "2"}
+        assert plain[rank]["trainer_module"] is None
+        assert torchrun_form[rank]["trainer_module"].startswith("hf_zero.")
+        # the DeepSpeed line: 2 processes on CPU too, --local_rank=N first (deepspeed/launcher/launch.py)
+        assert _argv(deepspeed_form[rank], tmp_path / "deepspeed_form") == [f"--local_rank={rank}", "--out", "OUT",
+                                                                            "--flag"]
+        assert deepspeed_form[rank]["env"] == plain[rank]["env"]
+        assert deepspeed_form[rank]["trainer_module"].startswith("hf_zero.")
