@@ -51,3 +51,24 @@ def test_gpu_ranks_get_their_share_of_the_cores_not_one_thread(monkeypatch):
     assert plan.env["OMP_NUM_THREADS"] == "8"
     assert "OMP_NUM_THREADS" not in plan_launch("t.py", [], gpu_names=["NVIDIA A100"] * 4, env={"OMP_NUM_THREADS": "2"}).env
     assert "OMP_NUM_THREADS" not in plan_launch("t.py", [], gpu_names=["NVIDIA A100"], env={}).env  # one rank: torchrun leaves it
+
+
+def test_launch_lines_keep_the_planning(monkeypatch):
+    """Counts parsed by torch's parser (gpu, auto, MIN:MAX nodes) still drive the OMP share, the
+    NCCL variables for consumer cards and the one-GPU-per-rank check."""
+    import os
+
+    import pytest
+
+    from hf_zero.cli.launch import LaunchLineError, plan_launch_line
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
+    rtx = ["NVIDIA GeForce RTX 4090"] * 2
+    plan = plan_launch_line(["--nproc-per-node", "gpu", "--nnodes", "1:2", "t.py"], gpu_names=rtx, p2p_ok=False, env={})
+    assert plan.env == {"NCCL_P2P_DISABLE": "1", "NCCL_IB_DISABLE": "1", "OMP_NUM_THREADS": "8"}
+    assert any("RTX 4090" in n for n in plan.notes)
+    plan = plan_launch_line(["--num_gpus", "2", "t.py"], gpu_names=rtx, p2p_ok=False, env={"NCCL_P2P_DISABLE": "0"})
+    assert plan.env["NCCL_IB_DISABLE"] == "1" and "NCCL_P2P_DISABLE" not in plan.env
+    assert plan_launch_line(["--nproc_per_node=auto", "t.py"], gpu_names=rtx, env={}).env["OMP_NUM_THREADS"] == "8"
+    with pytest.raises(LaunchLineError, match="LOCAL_RANK"):
+        plan_launch_line(["--nproc_per_node=3", "t.py"], gpu_names=rtx, env={})
