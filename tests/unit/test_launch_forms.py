@@ -276,6 +276,9 @@ def test_deepspeed_master_addr_is_ignored_on_one_node_and_said_so():
 
 def test_cuda_visible_devices_is_the_pool_deepspeed_options_pick_from():
     env = {"CUDA_VISIBLE_DEVICES": "2,3"}
+    plan = _plan("--num_gpus 1 t.py", gpus=2, env=env)  # DeepSpeed would take GPU 0: said in a note
+    assert "CUDA_VISIBLE_DEVICES" not in plan.env and any("CUDA_VISIBLE_DEVICES=2,3" in n for n in plan.notes)
+    assert _plan("--num_gpus 1 t.py", gpus=1, env={"CUDA_VISIBLE_DEVICES": "0"}).notes == []  # same GPU either way
     assert _plan("--include localhost:3 t.py", gpus=2, env=env).env["CUDA_VISIBLE_DEVICES"] == "3"
     assert _plan("--exclude localhost:2 t.py", gpus=2, env=env).env["CUDA_VISIBLE_DEVICES"] == "3"
     message = _error("--include localhost:0 t.py", gpus=2, env=env)
@@ -374,8 +377,8 @@ _RECORD = "import json, sys; print(json.dumps(sys.argv))\n"
 
 
 def _bootstrap(args: list[str], cwd: Path, **env: str) -> list[str]:
-    full_env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", **env}
-    full_env.pop(PASS_LOCAL_RANK_ENV, None) if PASS_LOCAL_RANK_ENV not in env else None
+    full_env = {k: v for k, v in os.environ.items() if k != PASS_LOCAL_RANK_ENV}
+    full_env.update(PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", **env)
     proc = subprocess.run([sys.executable, "-m", BOOTSTRAP_MODULE, *args], cwd=cwd, env=full_env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -191,9 +191,12 @@ def deepspeed_request(given: Mapping[str, Given], script: str, script_args: Sequ
                                   "or fewer (check CUDA_VISIBLE_DEVICES)")
     if nproc is not None:
         options["nproc_per_node"] = Given("--nproc_per_node", str(nproc))
-        if env.get("CUDA_VISIBLE_DEVICES") and gpu_count:
+        # DeepSpeed counts GPUs from 0 ignoring CUDA_VISIBLE_DEVICES; say so only where that picks others
+        # (--include names GPUs explicitly, and they were checked to be in the list).
+        renumbered = visible is not None and visible != [str(i) for i in range(len(visible))]
+        if env.get("CUDA_VISIBLE_DEVICES") and renumbered and "include" not in selection:
             notes.append(f"hf-zero run: GPUs chosen among CUDA_VISIBLE_DEVICES={env['CUDA_VISIBLE_DEVICES']} "
-                         "(DeepSpeed's launcher would ignore it when --include/--exclude/--num_gpus is given)")
+                         "(DeepSpeed's launcher would ignore it when --exclude/--num_gpus is given)")
     if port is not None:
         options["master_port"] = Given("--master_port", str(port))
     if "master_addr" in given:
