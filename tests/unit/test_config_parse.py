@@ -310,7 +310,7 @@ def test_adam_means_adamw_by_default() -> None:
 def test_unsupported_optimizers_point_to_supported_ones(name: str) -> None:
     message = _error({"optimizer": {"type": name, "params": {"lr": 1e-3}}})
     assert f'optimizer.type="{name}" is not supported' in message
-    assert "use Adam, AdamW, SGD, Lion or Lamb" in message
+    assert "use Adam, AdamW, SGD, Lion, Lamb or Muon" in message
 
 
 def test_unknown_optimizer_suggests_a_close_name() -> None:
