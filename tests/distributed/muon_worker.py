@@ -1,8 +1,9 @@
 """Run under torchrun: train a tiny Llama with ``optimizer.type: "Muon"`` at each ZeRO stage.
 
-    torchrun --standalone --nproc_per_node 2 tests/distributed/muon_worker.py OUT.pt
+    torchrun --standalone --nproc_per_node 2 tests/distributed/muon_worker.py OUT.pt CHECKPOINT_DIR
 
-Writes (rank 0) ``{case: {"final_state", "ranks": [per-rank facts about the optimizer state]}}``;
+Writes (rank 0) ``{case: {"final_state", "ranks": [per-rank facts about the optimizer state]},
+"resume": {stage: largest weight difference between a run and its resumed copy}}``;
 ``test_muon_sharded.py`` holds the cases, the model and the single-process reference.
 """
 
@@ -19,18 +20,28 @@ from _worker_io import save_results_and_exit  # noqa: E402
 from test_muon_sharded import CASES, STEPS, make_data, muon_config, tiny_llama  # noqa: E402
 
 
+def _train(engine, steps) -> None:
+    data = make_data(engine.env.world_size)
+    for step in steps:
+        ids = data[step, engine.env.rank].to(engine.env.device)
+        engine.backward(engine(input_ids=ids, labels=ids).loss)
+        engine.step()
+
+
+def _full_state(model) -> dict:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return {k: v.float().clone() for k, v in full.items()}
+
+
 def run_case(zero: dict) -> dict:
     import hf_zero
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     model = tiny_llama()
     engine = hf_zero.initialize(model, muon_config(zero))
     rank, world = engine.env.rank, engine.env.world_size
-    data = make_data(world)
-    for step in range(STEPS):
-        ids = data[step, rank].to(engine.env.device)
-        engine.backward(engine(input_ids=ids, labels=ids).loss)
-        engine.step()
+    _train(engine, range(STEPS))
 
     local = engine.stage.local_optimizer(engine.optimizer)
     names = {id(p): n for n, p in model.named_parameters()}
@@ -43,18 +54,40 @@ def run_case(zero: dict) -> dict:
                 momentum[names[id(p)]] = (group["use_muon"], shard.numel(), p.numel())
     facts = {"optimizer": type(local).__name__, "momentum": momentum,
              "adam_params": sorted(names[id(p)] for g in local.param_groups if not g["use_muon"] for p in g["params"])}
-    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    full = _full_state(model)
     per_rank = [None] * world
     dist.all_gather_object(per_rank, facts)
-    return {
-        "final_state": {k: v.float().clone() for k, v in full.items()} if rank == 0 else None,
-        "ranks": per_rank,
-    }
+    return {"final_state": full if rank == 0 else None, "ranks": per_rank}
+
+
+def resume_difference(stage: int, folder: str) -> float | None:
+    """Train 1 step, save a checkpoint, train 2 more; load it into a fresh engine and train the same
+    2 steps: the largest weight difference (Muon's momentum and Adam's moments must come back)."""
+    import hf_zero
+    from hf_zero.checkpoint.sharded import load_checkpoint, save_checkpoint
+
+    model = tiny_llama()
+    engine = hf_zero.initialize(model, muon_config({"stage": stage}))
+    _train(engine, [0])
+    save_checkpoint(engine, folder)
+    _train(engine, [1, 2])
+    straight = _full_state(model)
+    model = tiny_llama()
+    engine = hf_zero.initialize(model, muon_config({"stage": stage}))
+    load_checkpoint(engine, folder)
+    _train(engine, [1, 2])
+    resumed = _full_state(model)
+    if dist.get_rank() != 0:
+        return None  # the full state is gathered on rank 0 only
+    return max(float((straight[k] - resumed[k]).abs().max()) for k in straight)
 
 
 def main() -> None:
+    out, checkpoints = sys.argv[1], sys.argv[2]
     results = {name: run_case(zero) for name, zero in CASES.items()}
-    save_results_and_exit(results, sys.argv[1])
+    results["resume"] = {stage: resume_difference(stage, os.path.join(checkpoints, f"stage{stage}"))
+                         for stage in (1, 2, 3)}
+    save_results_and_exit(results, out)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""Muon on 2 gloo ranks at ZeRO stages 0-3 gives the weights of a single-process plain-torch run.
+"""Muon on 2 gloo ranks at ZeRO stages 0-3 gives the weights of a single-process plain-torch run,
+and resumes from hf_zero's sharded checkpoint exactly.
 
 One torchrun launch (``muon_worker.py``) trains every case in sequence; the reference here applies
 Muon's formula to the *full* matrices (momentum, Nesterov, quintic Newton-Schulz with DeepSpeed's
@@ -100,9 +101,9 @@ def reference_run() -> dict[str, torch.Tensor]:
 def runs(tmp_path_factory):
     from _launch import torchrun
 
-    out = tmp_path_factory.mktemp("muon") / "out.pt"
-    torchrun("tests/distributed/muon_worker.py", str(out), nproc=WORLD)
-    return torch.load(out, weights_only=False)
+    tmp = tmp_path_factory.mktemp("muon")
+    torchrun("tests/distributed/muon_worker.py", str(tmp / "out.pt"), str(tmp / "checkpoints"), nproc=WORLD)
+    return torch.load(tmp / "out.pt", weights_only=False)
 
 
 @pytest.fixture(scope="module")
@@ -141,3 +142,9 @@ def test_matrices_go_to_muon_and_its_momentum_is_sharded_as_the_stage_says(case,
             assert momentum[0][name][1] < momentum[0][name][2], name
     adam = set(ranks[0]["adam_params"]) | set(ranks[1]["adam_params"])
     assert {"model.embed_tokens.weight", "lm_head.weight", "model.norm.weight"} <= adam
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_a_resumed_run_continues_exactly(stage, runs):
+    """hf_zero's sharded checkpoint brings back Muon's momentum and the Adam half's moments."""
+    assert runs["resume"][stage] == 0.0
