@@ -20,6 +20,7 @@ __all__ = [
     "ZeroSeq2SeqTrainer",
     "ZeroTrainer",
     "ZeroTrainingArguments",
+    "enable_deepspeed_compat",
     "estimate_memory",
     "gathered_parameters",
     "initialize",
@@ -38,6 +39,7 @@ _LAZY = {
     "gathered_parameters": ("hf_zero.engine.sharded_access", "gathered_parameters"),
     "prepare_frozen_model": ("hf_zero.engine.frozen", "prepare_frozen_model"),
     "estimate_memory": ("hf_zero.estimator", "estimate_memory"),
+    "enable_deepspeed_compat": ("hf_zero.deepspeed_api.install", "enable_deepspeed_compat"),
     "ZeroTrainer": ("hf_zero.integration.trainer", "ZeroTrainer"),
     "ZeroSeq2SeqTrainer": ("hf_zero.integration.trainer", "ZeroSeq2SeqTrainer"),
     "ZeroTrainingArguments": ("hf_zero.integration.arguments", "ZeroTrainingArguments"),
@@ -47,6 +49,7 @@ if TYPE_CHECKING:
     from hf_zero.config import load_config
     from hf_zero.config.errors import ZeroConfigError
     from hf_zero.config.schema import ZeroConfig
+    from hf_zero.deepspeed_api.install import enable_deepspeed_compat
     from hf_zero.engine.engine import ZeroEngine
     from hf_zero.engine.frozen import prepare_frozen_model
     from hf_zero.engine.initialize import initialize

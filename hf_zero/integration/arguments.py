@@ -7,12 +7,15 @@ Trainer knows the world size, the model and the number of training steps.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import weakref
+from dataclasses import dataclass, field, make_dataclass
 from typing import Any
 
 from transformers import Seq2SeqTrainingArguments, TrainingArguments
 
-__all__ = ["ZeroTrainingArguments", "ZeroSeq2SeqTrainingArguments", "ZeroArgumentsMixin"]
+from hf_zero.integration.versions import apply_removed_arguments, removed_argument_fields
+
+__all__ = ["ZeroTrainingArguments", "ZeroSeq2SeqTrainingArguments", "ZeroArgumentsMixin", "latest_zero_config"]
 
 _HELP = (
     "hf_zero config: path to a DeepSpeed-style JSON/YAML file, a dict, or a JSON string "
@@ -31,7 +34,7 @@ class ZeroArgumentsMixin:
         from hf_zero.config.schema import ZeroConfig
         from hf_zero.config.parse import parse_config
 
-        _apply_removed_argument_aliases(self)
+        apply_removed_arguments(self)
         deepspeed = getattr(self, "deepspeed", None)
         if deepspeed:
             if self.zero_config is not None and self.zero_config != deepspeed:
@@ -56,6 +59,9 @@ class ZeroArgumentsMixin:
             self.parsed_zero_config = self.zero_config
         elif self.zero_config is not None:
             self.parsed_zero_config = parse_config(self.zero_config)
+        _set_local_rank(self)
+        if self.parsed_zero_config is not None:
+            _remember(self)
 
     @property
     def place_model_on_device(self) -> bool:
@@ -63,26 +69,40 @@ class ZeroArgumentsMixin:
         return False if self.zero_config is not None else None  # type: ignore[return-value]
 
 
-_ALIAS_HELP = "transformers 4.x name, accepted so that old launch commands keep working: {}"
+# The transformers-4 names (integration/versions.py) as fields, so that the argument parser takes
+# the old flags and ``TrainingArguments(no_cuda=True)`` is not a TypeError; __post_init__ maps them.
+TransformersV4Arguments = make_dataclass("TransformersV4Arguments", removed_argument_fields())
+
+_LATEST_CONFIG: weakref.ref | None = None
 
 
-def _apply_removed_argument_aliases(args: Any) -> None:
-    """Map transformers 4.x flags that launch commands in tutorials still use (source 000:
-    ``--evaluation_strategy "no" --warmup_ratio 0.03``) onto their transformers 5 fields."""
-    legacy_eval = getattr(args, "evaluation_strategy", None)
-    if legacy_eval is not None:
-        args.eval_strategy = legacy_eval
-    ratio = getattr(args, "warmup_ratio", None)
-    if ratio is not None:
-        if not 0 <= float(ratio) < 1:
-            raise ValueError(f"--warmup_ratio must be in [0, 1), got {ratio}; use --warmup_steps for a step count")
-        if args.warmup_steps not in (0, 0.0):
-            raise ValueError(f"--warmup_ratio {ratio} and --warmup_steps {args.warmup_steps} both given; pass one")
-        args.warmup_steps = float(ratio)  # transformers 5 reads warmup_steps < 1 as a ratio
+def latest_zero_config() -> Any:
+    """The parsed zero config of the most recently built arguments that carry one, or None.
+
+    What ``transformers.integrations.deepspeed`` keeps for ``is_deepspeed_zero3_enabled()`` (a
+    weak reference set when ``TrainingArguments(deepspeed=...)`` is built): here for hf_zero's
+    DeepSpeed API, which answers the same question from it.
+    """
+    args = _LATEST_CONFIG() if _LATEST_CONFIG is not None else None
+    return getattr(args, "parsed_zero_config", None)
+
+
+def _remember(args: Any) -> None:
+    global _LATEST_CONFIG
+    _LATEST_CONFIG = weakref.ref(args)
+
+
+def _set_local_rank(args: Any) -> None:
+    """``local_rank`` as transformers 4 set it (``_setup_devices``): the process's local rank from
+    the launcher, 0 in a single process. transformers 5 keeps the field but leaves it at -1, so
+    scripts that save only ``if training_args.local_rank == 0`` would save nothing."""
+    state = getattr(args, "distributed_state", None)
+    if state is not None:
+        args.local_rank = state.local_process_index
 
 
 @dataclass
-class ZeroTrainingArguments(ZeroArgumentsMixin, TrainingArguments):
+class ZeroTrainingArguments(ZeroArgumentsMixin, TrainingArguments, TransformersV4Arguments):
     """``transformers.TrainingArguments`` with ``zero_config``.
 
     Example::
@@ -92,14 +112,10 @@ class ZeroTrainingArguments(ZeroArgumentsMixin, TrainingArguments):
     """
 
     zero_config: dict | str | None = field(default=None, metadata={"help": _HELP})
-    evaluation_strategy: str | None = field(default=None, metadata={"help": _ALIAS_HELP.format("--eval_strategy")})
-    warmup_ratio: float | None = field(default=None, metadata={"help": _ALIAS_HELP.format("--warmup_steps <1")})
 
 
 @dataclass
-class ZeroSeq2SeqTrainingArguments(ZeroArgumentsMixin, Seq2SeqTrainingArguments):
+class ZeroSeq2SeqTrainingArguments(ZeroArgumentsMixin, Seq2SeqTrainingArguments, TransformersV4Arguments):
     """``Seq2SeqTrainingArguments`` with ``zero_config``."""
 
     zero_config: dict | str | None = field(default=None, metadata={"help": _HELP})
-    evaluation_strategy: str | None = field(default=None, metadata={"help": _ALIAS_HELP.format("--eval_strategy")})
-    warmup_ratio: float | None = field(default=None, metadata={"help": _ALIAS_HELP.format("--warmup_steps <1")})

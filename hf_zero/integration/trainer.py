@@ -12,6 +12,11 @@ Same constructor and the same loop as ``Trainer``; a short list of hooks hand th
   the engine's update (skipped on fp16 overflow, which also leaves the scheduler alone).
 - ``save_model``: 16-bit weights gathered to rank 0 and written by ``save_pretrained`` (adapter
   only for peft models); ``_save_checkpoint``: a sharded, resumable, atomically written checkpoint.
+
+Scripts written for transformers 4 and DeepSpeed also find what they read: ``Trainer(tokenizer=)``
+and ``trainer.tokenizer`` (integration/versions.py), and ``is_deepspeed_enabled``,
+``trainer.deepspeed`` and ``model_wrapped._zero3_consolidated_16bit_state_dict()``
+(integration/deepspeed_surface.py).
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -26,6 +32,12 @@ import torch.distributed as dist
 from torch import nn
 from transformers import Seq2SeqTrainer, Trainer
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+from hf_zero.integration.deepspeed_surface import (
+    attach_consolidated_state_dict,
+    called_from_library,
+    check_whole_state_dict,
+)
 
 __all__ = ["ZeroTrainer", "ZeroSeq2SeqTrainer", "ZeroTrainerMixin"]
 
@@ -110,7 +122,19 @@ class ZeroTrainerMixin:
 
     zero_engine = None
 
+    engine_listeners: list[Callable[[Any], None]] = []
+    """Called with the trainer each time it builds an engine (the model is sharded then).
+    hf_zero's DeepSpeed API registers here to tag parameters the way DeepSpeed does (``ds_id``,
+    ``ds_status``...); the trainer itself never imports that API."""
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
+        if "tokenizer" in kwargs:
+            # transformers 4's name for processing_class (removed in 5.0.0; integration/versions.py).
+            tokenizer = kwargs.pop("tokenizer")
+            if kwargs.get("processing_class") is not None and tokenizer is not None:
+                raise ValueError("Trainer got both tokenizer= and processing_class=; pass processing_class only")
+            if tokenizer is not None:
+                kwargs["processing_class"] = tokenizer
         super().__init__(*args, **kwargs)
         if self.zero_enabled:
             # Check the config against the arguments now, before any model is sharded or loaded
@@ -162,6 +186,9 @@ class ZeroTrainerMixin:
             num_training_steps=max_steps,
         )
         engine = self.zero_engine
+        attach_consolidated_state_dict(engine.forward_module, engine)
+        for listener in ZeroTrainerMixin.engine_listeners:
+            listener(self)
         if engine.config.stage >= 2 and hasattr(self.model, "generate") and not getattr(self.model, "_hf_zero_generate", False):
             # generate() is not a forward, so FSDP2 would not gather the parameters for it. Once
             # per model: a second trainer on the same model must not wrap it twice.
@@ -187,6 +214,31 @@ class ZeroTrainerMixin:
     def zero_enabled(self) -> bool:
         """True when the arguments carry a zero config (else this is a plain Trainer)."""
         return getattr(self.args, "parsed_zero_config", None) is not None
+
+    # ------------------------------------------------------------------------------- transformers 4 / DeepSpeed surface
+    @property
+    def tokenizer(self):
+        """transformers 4's name for ``processing_class`` (removed in 5.0.0)."""
+        return self.processing_class
+
+    @tokenizer.setter
+    def tokenizer(self, value) -> None:
+        self.processing_class = value
+
+    @property
+    def is_deepspeed_enabled(self) -> bool:
+        """For a script: true when hf_zero's ZeRO engine trains the model, as it would be under
+        DeepSpeed (its save branches then lead to ``save_model``). For transformers, TRL and the
+        other libraries: accelerate's answer (false: there is no DeepSpeed plugin, and their
+        DeepSpeed branches would call DeepSpeed itself). See integration/deepspeed_surface.py."""
+        if self.zero_enabled and not called_from_library(depth=2):
+            return True
+        return self.__dict__.get("_accelerate_is_deepspeed_enabled", False)
+
+    @is_deepspeed_enabled.setter
+    def is_deepspeed_enabled(self, value: bool) -> None:
+        # Trainer.create_accelerator_and_postprocess stores accelerate's answer here.
+        self.__dict__["_accelerate_is_deepspeed_enabled"] = value
 
     def _prepare_for_training(self, max_steps, train_dataloader, resume_from_checkpoint):
         if not self.zero_enabled:
@@ -223,6 +275,9 @@ class ZeroTrainerMixin:
         self._created_lr_scheduler = False
         model = engine.forward_module
         self.model_wrapped = model
+        # DeepSpeed scripts test ``trainer.deepspeed`` (LLaVA's save) and call methods on it; the
+        # Trainer's own reads of it sit behind is_deepspeed_enabled, which stays false for it.
+        self.deepspeed = model
         if resume_from_checkpoint is not None:
             self._load_zero_checkpoint(resume_from_checkpoint)
         for attr in ("model", "optimizer", "lr_scheduler"):
@@ -328,6 +383,13 @@ class ZeroTrainerMixin:
             extra_files=self._write_trainer_files,
             progress=not _internal_call and not self.args.disable_tqdm,
         )
+
+    def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
+        # Scripts call _save(dir, state_dict=...) themselves (Qwen, Alpaca); sharded values there
+        # would be written as one rank's slices.
+        if state_dict is not None and self.zero_engine is not None:
+            check_whole_state_dict(state_dict, "Trainer._save")
+        return super()._save(output_dir, state_dict)
 
     save_max_shard_size: int | str | None = None
     """Largest weights file ``save_model`` writes; None: what ``save_pretrained`` uses by default."""

@@ -1,0 +1,153 @@
+"""The table of what hf_zero's ``deepspeed`` namespace holds, and what it refuses.
+
+:data:`SYMBOLS` is the single source: the import finder (``finder.py``) builds each ``deepspeed.*``
+module from it (a module exists when some symbol lives in it or below it), and
+``docs/deepspeed_compat.md`` renders it. Anything else under ``deepspeed`` fails with an
+ImportError that names it and, where :data:`UNSUPPORTED` has an entry for it or a parent, what
+hf_zero offers instead.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["Symbol", "SYMBOLS", "UNSUPPORTED", "VERSION", "modules", "attributes", "advice_for"]
+
+VERSION = "0.0.0+hf_zero"
+"""``deepspeed.__version__``: not a DeepSpeed release; version checks see the oldest one."""
+
+
+@dataclass(frozen=True)
+class Symbol:
+    """One object of the namespace, under each of the names DeepSpeed gives it."""
+
+    names: tuple[str, ...]
+    target: str
+    """``module:attribute`` of the object hf_zero provides."""
+    maps_to: str
+    """What it does under hf_zero (the docs' second column)."""
+
+
+_ZERO_MODULES = ("deepspeed.zero", "deepspeed.runtime.zero", "deepspeed.runtime.zero.partition_parameters")
+_ZERO = "hf_zero.deepspeed_api.zero"
+_COMM = "hf_zero.deepspeed_api.comm"
+_FP32 = "hf_zero.deepspeed_api.zero_to_fp32"
+
+
+def _in_zero(attr: str) -> tuple[str, ...]:
+    return tuple(f"{m}.{attr}" for m in _ZERO_MODULES)
+
+
+def _comm(attr: str, maps_to: str) -> Symbol:
+    return Symbol((f"deepspeed.comm.{attr}",), f"{_COMM}:{attr}", maps_to)
+
+
+SYMBOLS: tuple[Symbol, ...] = (
+    Symbol(_in_zero("GatheredParameters"), f"{_ZERO}:GatheredParameters",
+           "the whole tensors of sharded (stage 2/3) parameters inside the block, through the same parameter "
+           "objects; with `modifier_rank` the edits made there are broadcast from that rank into every rank's "
+           "shard. Parameters that are not sharded are left alone (as DeepSpeed ignores those without `ds_id`)"),
+    Symbol(_in_zero("Init"), f"{_ZERO}:Init",
+           "at stages 2/3, hf_zero's low-memory loading: `from_pretrained` builds the model on the meta device "
+           "on every local rank but 0, and the engine fills the shards from rank 0; a no-op at stages 0/1"),
+    Symbol(_in_zero("register_external_parameter"), f"{_ZERO}:register_external_parameter",
+           "no-op: the root unit's parameters are gathered for the whole forward"),
+    Symbol(_in_zero("ZeroParamStatus"), f"{_ZERO}:ZeroParamStatus",
+           "DeepSpeed's enum (AVAILABLE, NOT_AVAILABLE, INFLIGHT); sharded parameters carry `ds_status` "
+           "NOT_AVAILABLE, AVAILABLE inside GatheredParameters"),
+    Symbol(_in_zero("ZeroParamType"), f"{_ZERO}:ZeroParamType", "DeepSpeed's enum (NORMAL, PARTITIONED, REMOTE)"),
+    Symbol(("deepspeed.runtime.zero.partition_parameters.is_zero_param",), f"{_ZERO}:is_zero_param",
+           "`hasattr(param, 'ds_id')`, as DeepSpeed"),
+    Symbol(("deepspeed.utils.set_z3_leaf_modules",), f"{_ZERO}:set_z3_leaf_modules",
+           "no-op returning the matching modules: hf_zero gathers whole transformer blocks (MoE experts included)"),
+    Symbol(("deepspeed.init_distributed", "deepspeed.comm.init_distributed"), f"{_COMM}:init_distributed",
+           "hf_zero's process-group set-up (NCCL with CUDA, gloo without; the launcher's environment)"),
+    _comm("is_initialized", "`torch.distributed.is_initialized`"),
+    _comm("get_rank", "`torch.distributed.get_rank` (0 before a process group exists)"),
+    _comm("get_world_size", "`torch.distributed.get_world_size` (1 before a process group exists)"),
+    _comm("get_local_rank", "the launcher's `LOCAL_RANK` (0 without one)"),
+    _comm("barrier", "`torch.distributed.barrier` (nothing to wait for before a process group exists)"),
+    _comm("all_reduce", "`torch.distributed.all_reduce`"),
+    _comm("broadcast", "`torch.distributed.broadcast`"),
+    _comm("all_gather", "`torch.distributed.all_gather`"),
+    _comm("all_gather_into_tensor", "`torch.distributed.all_gather_into_tensor`"),
+    _comm("reduce", "`torch.distributed.reduce`"),
+    _comm("reduce_scatter_tensor", "`torch.distributed.reduce_scatter_tensor`"),
+    _comm("new_group", "`torch.distributed.new_group`"),
+    _comm("ReduceOp", "`torch.distributed.ReduceOp`"),
+    Symbol(("deepspeed.utils.zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint",),
+           f"{_FP32}:get_fp32_state_dict_from_zero_checkpoint",
+           "the fp32 state dict of an hf_zero checkpoint (`checkpoint-N/` or its `zero_state/`), read on one CPU "
+           "process by hf_zero's safe checkpoint reader (as `hf-zero consolidate`)"),
+    Symbol(("deepspeed.utils.zero_to_fp32.load_state_dict_from_zero_checkpoint",),
+           f"{_FP32}:load_state_dict_from_zero_checkpoint",
+           "that state dict loaded into the model on the CPU (`strict=False`, as DeepSpeed)"),
+    Symbol(("deepspeed.utils.zero_to_fp32.convert_zero_checkpoint_to_fp32_state_dict",),
+           f"{_FP32}:convert_zero_checkpoint_to_fp32_state_dict",
+           "`hf-zero consolidate` into a folder (fp32 safetensors that `from_pretrained` loads)"),
+    Symbol(("deepspeed.__version__",), "hf_zero.deepspeed_api.symbols:VERSION",
+           f"`{VERSION}` (not a DeepSpeed release)"),
+)
+
+_TRAIN = ("hf_zero trains through the Trainer (`--zero_config ds.json`, `--deepspeed` accepted) or "
+          "`hf_zero.initialize(model, 'ds.json')`, whose engine takes DeepSpeed's forward/backward/step loop")
+
+UNSUPPORTED: dict[str, str] = {
+    "deepspeed.initialize": _TRAIN,
+    "deepspeed.DeepSpeedEngine": "the engine is `hf_zero.ZeroEngine` (built by `hf_zero.initialize`)",
+    "deepspeed.runtime.engine": "the engine is `hf_zero.ZeroEngine` (built by `hf_zero.initialize`)",
+    "deepspeed.init_inference": "hf_zero has no inference engine; load the saved model with `from_pretrained`",
+    "deepspeed.inference": "hf_zero has no inference engine; load the saved model with `from_pretrained`",
+    "deepspeed.add_config_arguments": "pass the config as `--zero_config ds.json` (or `--deepspeed ds.json`)",
+    "deepspeed.ops": ("DeepSpeed's compiled ops (FusedAdam, DeepSpeedCPUAdam, FusedLamb...) are not needed: name the "
+                      "optimizer in the config's `optimizer` section or with `--optim`, and use "
+                      "`offload_optimizer` for a CPU step"),
+    "deepspeed.accelerator": "use torch's device API (`torch.cuda`, `torch.accelerator`)",
+    "deepspeed.checkpoint": ("hf_zero's checkpoints: `trainer.save_model(dir)` (from_pretrained), Trainer "
+                             "checkpoints (resumable, any world size), `hf-zero consolidate`"),
+    "deepspeed.runtime.lr_schedules": "the config's `scheduler` section (WarmupLR, WarmupDecayLR, WarmupCosineLR...)",
+    "deepspeed.runtime.zero.stage3": "hf_zero's stage 3 is FSDP2 (`hf_zero.gathered_parameters(model)` for full weights)",
+    "deepspeed.utils.safe_get_full_fp32_param": ("`with deepspeed.zero.GatheredParameters(param): "
+                                                 "full = param.data.clone()`"),
+    "deepspeed.utils.safe_get_full_grad": "gradients are sharded between steps; read them inside the training step",
+    "deepspeed.moe": "hf_zero has no expert parallelism; MoE models train with their experts sharded like other blocks",
+    "deepspeed.pipe": "hf_zero has no pipeline parallelism",
+    "deepspeed.launcher": "launch with `hf-zero run` (it takes the DeepSpeed launcher's single-node options)",
+    "deepspeed.profiling": "use `torch.profiler`",
+    "deepspeed.monitor": "the Trainer's `--report_to` (tensorboard, wandb, ...)",
+    "deepspeed.compression": "hf_zero has no compression library",
+    "deepspeed.sequence": "hf_zero has no sequence parallelism",
+}
+
+
+def modules() -> set[str]:
+    """Every module of the namespace: each dotted prefix of a symbol's name."""
+    out: set[str] = set()
+    for symbol in SYMBOLS:
+        for name in symbol.names:
+            parts = name.split(".")
+            out.update(".".join(parts[:i]) for i in range(1, len(parts)))
+    return out
+
+
+def attributes(module: str) -> dict[str, str]:
+    """``{attribute: target}`` of the symbols that live directly in ``module``."""
+    out = {}
+    for symbol in SYMBOLS:
+        for name in symbol.names:
+            parent, _, attr = name.rpartition(".")
+            if parent == module:
+                out[attr] = symbol.target
+    return out
+
+
+def advice_for(name: str) -> str:
+    """The clear error for ``name`` (a module or attribute outside the namespace)."""
+    parts = name.split(".")
+    for i in range(len(parts), 0, -1):
+        hint = UNSUPPORTED.get(".".join(parts[:i]))
+        if hint is not None:
+            return f"{name} is not part of hf_zero's DeepSpeed API: {hint}. See docs/deepspeed_compat.md."
+    covered = ", ".join(sorted(m for m in modules() if m.count(".") <= 1))
+    return (f"{name} is not part of hf_zero's DeepSpeed API (it covers {covered}: the symbols fine-tuning scripts "
+            "use). See docs/deepspeed_compat.md for the list and for hf_zero's equivalents.")
