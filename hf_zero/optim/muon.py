@@ -61,12 +61,15 @@ equivalent on its layouts:
 
 - stage 0 (DDP) and stage 1 (``ZeroRedundancyOptimizer``: each rank steps whole parameters it
   owns): parameters and gradients are whole tensors; nothing to gather.
-- stages 2/3 (FSDP2, dim-0 ``Shard`` DTensors): momentum and the Nesterov blend are computed on
-  the local shards (element-wise), the blend is all-gathered with ``full_tensor()`` one matrix at a
-  time, every rank orthogonalizes the full matrix and keeps the rows of its own shard. The momentum
-  stays sharded (no extra memory beyond one full matrix at a time). Cost: one all-gather of each
-  matrix per step (the volume of FSDP2's parameter all-gather) and Newton-Schulz computed on every
-  rank rather than on one rank per matrix as DeepSpeed's ZeRO-3 does.
+- stages 2/3 (FSDP2, dim-0 ``Shard`` DTensors over a 1-D mesh): momentum and the Nesterov blend
+  are computed on the local shards (element-wise). The matrices are then taken in rounds of one
+  per rank, as DeepSpeed's ZeRO-3 does: an ``all_to_all`` brings rank ``j`` every shard of the
+  round's ``j``-th matrix, rank ``j`` orthogonalizes it, and a second ``all_to_all`` returns each
+  rank its rows. Each rank holds one full matrix at a time and the momentum stays sharded; per
+  step every matrix crosses the network twice in total (not once per rank, as an all-gather would
+  send it), and each Newton-Schulz runs on one rank only.
+- any other DTensor layout: the blend is gathered with ``full_tensor()``, every rank
+  orthogonalizes it and keeps its own part.
 
 Optimizer offload (``offload_optimizer``) is refused with Muon (``config/refused.py``): hf_zero's
 offloaded optimizer steps flat host chunks of each rank's shard, not matrices.
@@ -384,7 +387,7 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
         """Update every parameter that has a gradient (Muon groups first, then Adam's).
 
         At stages 2/3 this is collective: every rank steps the same Muon parameters in the same
-        order (one ``full_tensor()`` each), which FSDP2's identical param groups guarantee.
+        order, which FSDP2's identical param groups guarantee.
         """
         loss = None
         if closure is not None:
@@ -392,9 +395,7 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
                 loss = closure()
         for group in self.param_groups:
             if group["use_muon"]:
-                for p in group["params"]:
-                    if p.grad is not None:
-                        self._muon_step(p, group)
+                self._muon_group(group)
         if self._aux is not None:
             adam_groups = [g for g in self.param_groups if not g["use_muon"]]
             if len(adam_groups) != len(self._aux.param_groups) or any(
@@ -404,39 +405,138 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
             self._aux.step()
         return loss
 
-    def _muon_step(self, p: torch.Tensor, group: dict[str, Any]) -> None:
+    def _muon_group(self, group: dict[str, Any]) -> None:
+        params = [p for p in group["params"] if p.grad is not None]
+        sharded = [p for p in params if _row_sharded(p)]
+        meshes = {id(p.device_mesh) for p in sharded}
+        if len(meshes) > 1:  # not FSDP2's single mesh: gather every matrix instead
+            sharded = []
+        for p in params:
+            if not any(p is q for q in sharded):
+                self._muon_whole(p, group)
+        if sharded:
+            world = sharded[0].device_mesh.size()
+            for start in range(0, len(sharded), world):
+                self._muon_round(sharded[start:start + world], group)
+
+    def _prepare(self, p: torch.Tensor, group: dict[str, Any]) -> tuple[torch.Tensor, ...]:
+        """This rank's part of the parameter, momentum, new momentum and Nesterov blend.
+
+        Element-wise, so on a DTensor parameter it runs on the local shard (FSDP2 gives parameter,
+        gradient and state the same layout)."""
         if p.grad.is_sparse:
             raise RuntimeError("MuonWithAuxAdam does not support sparse gradients")
         state = self.state[p]
         if "momentum_buffer" not in state:
             state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-        beta, lr, wd = group["momentum"], group["lr"], group["weight_decay"]
-        # Momentum, the Nesterov blend and the decay are element-wise: on a DTensor parameter they
-        # run on this rank's shard (FSDP2 gives parameter, gradient and state the same layout).
         weight, grad, buf = _local(p), _local(p.grad), _local(state["momentum_buffer"])
         if grad.shape != weight.shape or buf.shape != weight.shape:
             raise RuntimeError(
                 f"MuonWithAuxAdam: gradient {tuple(grad.shape)} / momentum {tuple(buf.shape)} are not laid out "
                 f"like the parameter's shard {tuple(weight.shape)}"
             )
+        beta = group["momentum"]
         new_buf = buf.lerp(grad, 1.0 - beta)
         blend = grad.lerp(new_buf, beta) if group["nesterov"] else new_buf
-        full = _full(blend, p)  # the whole matrix, on every rank
+        return weight, buf, new_buf, blend
+
+    @staticmethod
+    def _orthogonalized(full: torch.Tensor, group: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Muon's update of a whole matrix, and whether it is finite. A non-finite blend keeps the
+        old momentum and passes through as the update, as in DeepSpeed's ``muon_update``."""
         dtype = _compute_dtype(group["ns_method"], group["ns_dtype"], full.device)
         ortho = orthogonalize(full, group["ns_steps"], group["ns_method"], dtype)
-        # A non-finite gradient keeps the old momentum and passes through, as DeepSpeed's muon_update.
         finite = torch.isfinite(full).all()
-        ortho = torch.where(finite, ortho, full)
+        return torch.where(finite, ortho, full), finite
+
+    @staticmethod
+    def _apply(weight, buf, new_buf, mine, finite, group) -> None:
         buf.copy_(torch.where(finite.to(buf.device), new_buf, buf))
-        mine = _own_part(ortho, p).to(weight.device)
+        lr, wd = group["lr"], group["weight_decay"]
+        if wd != 0.0:
+            weight.mul_(1.0 - lr * wd)
+        weight.add_(mine.to(weight.device, weight.dtype), alpha=-lr)
+
+    def _muon_whole(self, p: torch.Tensor, group: dict[str, Any]) -> None:
+        """One matrix: whole already (stages 0/1), or gathered with ``full_tensor()`` on every rank
+        (a DTensor in another layout than FSDP2's)."""
+        weight, buf, new_buf, blend = self._prepare(p, group)
+        ortho, finite = self._orthogonalized(_full(blend, p), group)
+        mine = _own_part(ortho, p)
         if mine.shape != weight.shape:
             raise RuntimeError(
                 f"MuonWithAuxAdam: this rank's part of the update is {tuple(mine.shape)}, its shard "
                 f"{tuple(weight.shape)} (placements {getattr(p, 'placements', None)})"
             )
-        if wd != 0.0:
-            weight.mul_(1.0 - lr * wd)
-        weight.add_(mine, alpha=-lr)
+        self._apply(weight, buf, new_buf, mine, finite, group)
+
+    def _muon_round(self, params: list[torch.Tensor], group: dict[str, Any]) -> None:
+        """Up to one matrix per rank, FSDP2's dim-0 shards: rank ``j`` gathers matrix ``j``, runs
+        Newton-Schulz on it and sends each rank its rows back (two ``all_to_all``), as DeepSpeed's
+        ZeRO-3 shares the orthogonalizations round-robin. Each rank's rows travel with a finite flag."""
+        import torch.distributed as dist
+
+        mesh = params[0].device_mesh
+        pg, world, me = mesh.get_group(), mesh.size(), mesh.get_local_rank()
+        local = [self._prepare(p, group) for p in params]
+        rows = [_shard_rows(p.shape[0], world) for p in params]
+        cols = [math.prod(p.shape[1:]) for p in params]
+        for p, (weight, *_), r in zip(params, local, rows):
+            if weight.shape[0] != r[me]:
+                raise RuntimeError(f"MuonWithAuxAdam: shard of {tuple(p.shape)} has {weight.shape[0]} rows on rank "
+                                   f"{me}, expected {r[me]} (torch.chunk's dim-0 split)")
+        blends = [blend for *_, blend in local]
+        device = _exchange_device(blends[0], mesh.device_type)
+        dtype = blends[0].dtype
+        for b in blends[1:]:
+            dtype = torch.promote_types(dtype, b.dtype)
+        count, mine = len(params), me < len(params)
+
+        send = torch.cat([b.reshape(-1).to(device, dtype) for b in blends])
+        send_sizes = [r[me] * c for r, c in zip(rows, cols)] + [0] * (world - count)
+        recv_sizes = [n * cols[me] for n in rows[me]] if mine else [0] * world
+        recv = send.new_empty(sum(recv_sizes))
+        dist.all_to_all_single(recv, send, recv_sizes, send_sizes, group=pg)
+
+        if mine:
+            ortho, finite = self._orthogonalized(recv.view(params[me].shape), group)
+            flag = finite.to(dtype).reshape(1)
+            pieces = ortho.reshape(params[me].shape[0], -1).split(rows[me], dim=0)
+            back = torch.cat([t for piece in pieces for t in (piece.reshape(-1), flag)])
+        else:
+            back = send.new_empty(0)
+        back_sizes = [n * cols[me] + 1 for n in rows[me]] if mine else [0] * world
+        home_sizes = [r[me] * c + 1 for r, c in zip(rows, cols)] + [0] * (world - count)
+        home = send.new_empty(sum(home_sizes))
+        dist.all_to_all_single(home, back, home_sizes, back_sizes, group=pg)
+
+        for (weight, buf, new_buf, _), part in zip(local, home.split(home_sizes[:count])):
+            self._apply(weight, buf, new_buf, part[:-1].view(weight.shape), part[-1] > 0.5, group)
+
+
+def _row_sharded(p: torch.Tensor) -> bool:
+    """FSDP2's layout: a DTensor sharded on dim 0 over a 1-D mesh."""
+    if not _is_dtensor(p) or p.device_mesh.ndim != 1 or len(p.placements) != 1:
+        return False
+    placement = p.placements[0]
+    return placement.is_shard() and placement.dim == 0
+
+
+def _shard_rows(total: int, world: int) -> list[int]:
+    """Rows of each rank's dim-0 shard: ``torch.chunk``'s split (chunks of ``ceil(total / world)``),
+    empty for ranks past the last chunk -- DTensor's ``Shard(0)`` and FSDP2's layout."""
+    chunk = -(-total // world)
+    return [max(0, min(chunk, total - i * chunk)) for i in range(world)]
+
+
+def _exchange_device(t: torch.Tensor, mesh_type: str) -> torch.device:
+    """Where the exchange runs: the tensor's device, or the accelerator when the shard is in host
+    memory (FSDP2's CPU offload) and the mesh is not (NCCL takes device tensors only)."""
+    if t.device.type == mesh_type:
+        return t.device
+    from hf_zero.distributed import device as accel
+
+    return accel.current_device()
 
 
 def _check_hyper(*, lr, momentum, weight_decay, ns_method, adam_lr, betas, eps, ns_steps, ns_dtype) -> None:

@@ -3,7 +3,8 @@
     torchrun --standalone --nproc_per_node 2 tests/distributed/muon_worker.py OUT.pt CHECKPOINT_DIR
 
 Writes (rank 0) ``{case: {"final_state", "ranks": [per-rank facts about the optimizer state]},
-"resume": {stage: largest weight difference between a run and its resumed copy}}``;
+"resume": {stage: largest weight difference between a run and its resumed copy},
+"direct": {name: final weight of a hand-built DTensor parameter}}``;
 ``test_muon_sharded.py`` holds the cases, the model and the single-process reference.
 """
 
@@ -12,12 +13,15 @@ from __future__ import annotations
 import os
 import sys
 
+import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(__file__))
 
 from _worker_io import save_results_and_exit  # noqa: E402
-from test_muon_sharded import CASES, STEPS, make_data, muon_config, tiny_llama  # noqa: E402
+from test_muon_sharded import (  # noqa: E402
+    CASES, DIRECT, MOMENTUM, MUON_LR, STEPS, WD, direct_data, make_data, muon_config, tiny_llama,
+)
 
 
 def _train(engine, steps) -> None:
@@ -82,9 +86,29 @@ def resume_difference(stage: int, folder: str) -> float | None:
     return max(float((straight[k] - resumed[k]).abs().max()) for k in straight)
 
 
+def direct_case() -> dict:
+    """MuonWithAuxAdam on DTensor parameters made here (no engine): each rank's result, gathered."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from hf_zero.optim import MuonWithAuxAdam
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    init, grads = direct_data()
+    params = {k: torch.nn.Parameter(distribute_tensor(init[k], mesh, [Shard(dim)])) for k, (_, dim) in DIRECT.items()}
+    opt = MuonWithAuxAdam([{"params": list(params.values()), "use_muon": True}], lr=MUON_LR, momentum=MOMENTUM,
+                          weight_decay=WD, ns_method="standard")
+    for g in grads:
+        for k, p in params.items():
+            p.grad = distribute_tensor(g[k], mesh, [Shard(DIRECT[k][1])])
+        opt.step()
+    return {k: p.full_tensor().clone() for k, p in params.items()}
+
+
 def main() -> None:
     out, checkpoints = sys.argv[1], sys.argv[2]
     results = {name: run_case(zero) for name, zero in CASES.items()}
+    results["direct"] = direct_case()
     results["resume"] = {stage: resume_difference(stage, os.path.join(checkpoints, f"stage{stage}"))
                          for stage in (1, 2, 3)}
     save_results_and_exit(results, out)

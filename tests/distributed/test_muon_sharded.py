@@ -49,6 +49,19 @@ def make_data(world: int) -> torch.Tensor:
     return torch.randint(0, VOCAB, (STEPS, world, MICRO, SEQ), generator=torch.Generator().manual_seed(5))
 
 
+# MuonWithAuxAdam on DTensors built by hand: name -> (shape, sharded dim). Three dim-0 matrices
+# make a round with one idle rank, (1, 4) leaves rank 1 no rows, and the dim-1 one takes the
+# full_tensor() path (not FSDP2's layout).
+DIRECT = {"a": ((5, 3), 0), "b": ((1, 4), 0), "c": ((7, 6), 0), "d": ((6, 5), 1)}
+
+
+def direct_data() -> tuple[dict, list[dict]]:
+    gen = torch.Generator().manual_seed(11)
+    init = {k: torch.randn(*shape, generator=gen) for k, (shape, _) in DIRECT.items()}
+    grads = [{k: torch.randn(*shape, generator=gen) for k, (shape, _) in DIRECT.items()} for _ in range(STEPS)]
+    return init, grads
+
+
 def muon_config(zero: dict) -> dict:
     return {
         "train_micro_batch_size_per_gpu": MICRO,
@@ -72,6 +85,14 @@ def _orthogonalized(u: torch.Tensor) -> torch.Tensor:
         x = a * x + b * s @ x + c * s @ s @ x
     x = x.T if tall else x
     return (x * math.sqrt(max(1.0, u.shape[0] / u.shape[1]))).float()
+
+
+def _muon_reference(w: torch.Tensor, grads: list[torch.Tensor]) -> torch.Tensor:
+    m = torch.zeros_like(w)
+    for g in grads:
+        m = MOMENTUM * m + (1 - MOMENTUM) * g
+        w = w * (1 - MUON_LR * WD) - MUON_LR * _orthogonalized((1 - MOMENTUM) * g + MOMENTUM * m)
+    return w
 
 
 def reference_run() -> dict[str, torch.Tensor]:
@@ -148,3 +169,12 @@ def test_matrices_go_to_muon_and_its_momentum_is_sharded_as_the_stage_says(case,
 def test_a_resumed_run_continues_exactly(stage, runs):
     """hf_zero's sharded checkpoint brings back Muon's momentum and the Adam half's moments."""
     assert runs["resume"][stage] == 0.0
+
+
+def test_hand_built_dtensors_match_the_formula(runs):
+    """Rounds with an idle rank, a shard without rows, and a dim-1 layout (gathered whole)."""
+    init, grads = direct_data()
+    for name, got in runs["direct"].items():
+        ref = _muon_reference(init[name], [g[name] for g in grads])
+        torch.testing.assert_close(got, ref, rtol=0, atol=1e-5, msg=name)
+        assert (ref - init[name]).abs().max() > 1e-3
