@@ -39,9 +39,10 @@ Where hf_zero differs, on purpose:
   an accelerator; on CPU (its test path) it runs fp32, so a CPU run is exact against the formula.
   ``ns_dtype`` (constructor only) chooses explicitly.
 - **Clipping comes first.** hf_zero clips the raw gradients (and reports their norm) before the
-  optimizer step at every stage, as DeepSpeed does at stage 0 and with its bf16 optimizer (ZeRO-1
-  bf16); DeepSpeed's ZeRO-1/2/3 optimizers instead orthogonalize first and clip the Muon update
-  together with Adam's gradients. With ``gradient_clipping: 0`` the two agree.
+  optimizer step at every stage, as DeepSpeed does at fp32 stage 0 and in its BF16 optimizer
+  (stage 1 with ``data_types.grad_accum_dtype: "fp32"``); DeepSpeed's ZeRO-1/2/3 optimizers
+  instead orthogonalize first and clip the Muon update together with Adam's gradients. With
+  ``gradient_clipping: 0`` the two agree.
 - **Parameters without a gradient are skipped**, as by every torch optimizer; DeepSpeed steps them
   with a zero gradient.
 
