@@ -21,8 +21,10 @@ What DeepSpeed 0.19.8 does (``deepspeed/__init__.py`` ``set_optimizer_flags``,
   ``(a, b, c) = (3.4445, -4.7750, 2.0315)``. ``ns_method: "gram"`` (DeepSpeed's default) iterates
   on the Gram matrix ``X X^T`` instead (Tri Dao's Gram Newton-Schulz, restarted at iteration 2):
   the same polynomial, fewer FLOPs for wide matrices. A 4-D weight (conv) is viewed as
-  ``[out, -1]``; other shapes with more than 2 dimensions are a batch of matrices. A step whose
-  gradient is not finite leaves the momentum unchanged (DeepSpeed's loss-scaler guard).
+  ``[out, -1]`` (DeepSpeed 0.19.8 intends this but fails there: its ``torch.where`` meets the 2-D
+  update with the 4-D gradient); other shapes with more than 2 dimensions are a batch of
+  matrices. A step whose gradient is not finite leaves the momentum unchanged (DeepSpeed's
+  loss-scaler guard).
 - **Adam's update** is ``torch.optim.AdamW`` (``adam_w_mode: false``: ``torch.optim.Adam``, L2
   decay), the numbers of DeepSpeed's FusedAdam; its defaults are Muon's: ``betas (0.9, 0.95)``,
   ``eps 1e-10``.
