@@ -111,7 +111,13 @@ def _full_copy(param: DTensor) -> torch.Tensor:
     from hf_zero.distributed.collectives import on_mesh_device
 
     with torch.no_grad():
-        return on_mesh_device(param.detach()).full_tensor().to(param.to_local().device)
+        local = param.to_local()
+        full = on_mesh_device(param.detach()).full_tensor().to(local.device)
+        if full.untyped_storage().data_ptr() == local.untyped_storage().data_ptr():
+            # One rank (or one shard holding everything): the "gathered" tensor is the shard itself,
+            # and read-only blocks must not change the shard.
+            full = full.clone()
+        return full
 
 
 def _broadcast_from(full: torch.Tensor, shard: DTensor, src: int) -> torch.Tensor:
