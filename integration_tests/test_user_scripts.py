@@ -1,0 +1,126 @@
+"""Scripts written for transformers 4 and DeepSpeed, unmodified, through ``hf-zero run`` on 2 ranks.
+
+Two scripts in the shapes users bring (integration_tests/scripts/):
+
+- ``qwen_style_lora.py``: HfArgumentParser with transformers-4 flags, ``local_rank == 0`` saves,
+  ``from deepspeed import zero``, ``ZeroParamStatus``/``ds_id``, LoRA via peft, LoRA weights
+  collected with ``zero.GatheredParameters``, ``is_deepspeed_zero3_enabled()`` choosing
+  ``trainer.model_wrapped._zero3_consolidated_16bit_state_dict()``, and one edit made on rank 0
+  inside ``zero.GatheredParameters(..., modifier_rank=0)`` that must reach rank 1's shard;
+- ``fastchat_style_full.py``: ``Trainer(tokenizer=...)`` and the ``trainer.is_deepspeed_enabled``
+  save branch (the other branch is FSDP1's, which raises on current torch).
+
+Each runs at ZeRO stages 2 and 3 with DeepSpeed-style config files and is compared with the same
+script run plainly (transformers 5, one process, no hf_zero; scripts/plain_transformers4.py gives
+it what transformers 4 with DeepSpeed installed gave such a script), same seed and global batch
+(1 x 4 against 2 x 2): the losses of every step, and the saved weights loaded back with
+``PeftModel.from_pretrained`` / ``from_pretrained``. Four 2-rank launches in all.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from _run import REPO, hf_zero_run, logged_losses, python_script, write_config, zero_config
+
+pytestmark = pytest.mark.slow
+
+QWEN = "integration_tests/scripts/qwen_style_lora.py"
+FASTCHAT = "integration_tests/scripts/fastchat_style_full.py"
+PLAIN = "integration_tests/scripts/plain_transformers4.py"
+TINY = REPO / "assets" / "tiny-qwen2"
+
+COMMON = ["--max_steps", "3", "--logging_steps", "1", "--report_to", "none", "--save_strategy", "no",
+          "--seed", "7", "--lr_scheduler_type", "linear"]
+# The same settings under their transformers 4 names (hf_zero run) and transformers 5 names (plain run).
+V4_FLAGS = ["--evaluation_strategy", "no", "--warmup_ratio", "0.34"]
+V5_FLAGS = ["--eval_strategy", "no", "--warmup_steps", "0.34"]
+QWEN_ARGS = ["--learning_rate", "1e-2", "--post_train_scale_lora_b", "2.0"]
+FASTCHAT_ARGS = ["--learning_rate", "1e-3"]
+
+
+def _plain_run(tmp_path_factory, script: str, extra: list[str]):
+    out = tmp_path_factory.mktemp("plain")
+    proc = python_script(PLAIN, script, "--output_dir", str(out), "--per_device_train_batch_size", "4",
+                         "--use_cpu", "True", *V5_FLAGS, *COMMON, *extra)
+    return out, proc.stdout
+
+
+def _hf_zero_run(tmp_path, stage: int, script: str, extra: list[str]):
+    config = write_config(tmp_path / f"ds_config_zero{stage}.json", zero_config(stage))
+    out = tmp_path / "out"
+    proc = hf_zero_run(2, script, "--deepspeed", str(config), "--output_dir", str(out),
+                       "--per_device_train_batch_size", "2", *V4_FLAGS, *COMMON, *extra)
+    return out, proc.stdout
+
+
+def _same_losses(out, reference):
+    losses, expected = logged_losses(out), logged_losses(reference)
+    assert len(losses) == 3 and losses[-1] != losses[0]
+    torch.testing.assert_close(losses, expected, rtol=2e-3, atol=0)
+
+
+@pytest.fixture(scope="module")
+def qwen_reference(tmp_path_factory):
+    return _plain_run(tmp_path_factory, QWEN, QWEN_ARGS)
+
+
+@pytest.fixture(scope="module")
+def fastchat_reference(tmp_path_factory):
+    return _plain_run(tmp_path_factory, FASTCHAT, FASTCHAT_ARGS)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_qwen_style_lora_script(stage, qwen_reference, tmp_path):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    reference, reference_log = qwen_reference
+    out, log = _hf_zero_run(tmp_path, stage, QWEN, QWEN_ARGS)
+    # The script's branch: hf_zero shards parameters at stages 2 and 3, so it gathers; the plain run does not.
+    assert "zero3: True" in log and "zero3: False" in reference_log
+    _same_losses(out, reference)
+
+    # 1. The adapter the script saved with trainer._save(dir, state_dict=consolidated) on local_rank 0.
+    def adapter(path):
+        model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(TINY), path)
+        return {k: v.detach() for k, v in model.named_parameters() if "lora_" in k}
+
+    got, expected = adapter(out), adapter(reference)
+    assert got.keys() == expected.keys() and len(got) == 8
+    for key in expected:
+        torch.testing.assert_close(got[key], expected[key], rtol=1e-4, atol=1e-6, msg=key)
+    # 2. The LoRA weights it collected parameter by parameter through zero.GatheredParameters.
+    collected = torch.load(out / "lora_weights.bin", weights_only=True)
+    expected_collected = torch.load(reference / "lora_weights.bin", weights_only=True)
+    assert collected.keys() == expected_collected.keys()
+    for key in expected_collected:
+        assert collected[key].shape == expected_collected[key].shape, key  # whole tensors, not shards
+        torch.testing.assert_close(collected[key], expected_collected[key], rtol=1e-4, atol=1e-6, msg=key)
+    # 3. The edit rank 0 made under GatheredParameters(modifier_rank=0) reached both ranks' shards:
+    # both halves of the scaled LoRA B (rank 0's rows and rank 1's) equal the plain run's.
+    scaled = next(k for k in collected if "lora_B" in k)
+    assert f"scaled {scaled} by 2.0" in log and f"scaled {scaled} by 2.0" in reference_log
+    half = collected[scaled].shape[0] // 2
+    for rows in (slice(0, half), slice(half, None)):
+        torch.testing.assert_close(collected[scaled][rows], expected_collected[scaled][rows], rtol=1e-4, atol=1e-6)
+    assert expected_collected[scaled].abs().sum() > 0
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_fastchat_style_full_finetune_script(stage, fastchat_reference, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    reference, reference_log = fastchat_reference
+    out, log = _hf_zero_run(tmp_path, stage, FASTCHAT, FASTCHAT_ARGS)
+    assert "saved by save_model" in log  # trainer.is_deepspeed_enabled led the script to save_model()
+    assert "saved by the FSDP branch" in reference_log
+    _same_losses(out, reference)
+    model = AutoModelForCausalLM.from_pretrained(out)
+    expected = AutoModelForCausalLM.from_pretrained(reference)
+    got_sd, expected_sd = model.state_dict(), expected.state_dict()
+    assert got_sd.keys() == expected_sd.keys()
+    for key in expected_sd:
+        torch.testing.assert_close(got_sd[key], expected_sd[key], rtol=1e-4, atol=2e-5, msg=key)
+    assert (out / "tokenizer_config.json").exists()  # Trainer(tokenizer=...) became processing_class
