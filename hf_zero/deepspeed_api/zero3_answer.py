@@ -193,7 +193,14 @@ LIBRARY_BRANCHES: tuple[LibraryBranch, ...] = (
                   "imports `deepspeed.DeepSpeedEngine` when DeepSpeed is installed",
                   "`is_deepspeed_available()` stays false: hf_zero's namespace has no package metadata (transformers' "
                   "check is the same)"),
-    LibraryBranch("trl", "grpo_trainer, rloo_trainer, utils: `self.is_deepspeed_enabled`, `ZeroParamStatus`",
-                  "wraps reference models with `deepspeed.initialize`, gathers for generation",
-                  "library code reads accelerate's value of `is_deepspeed_enabled` (false): TRL's plain paths"),
+    LibraryBranch("trl", "grpo_trainer, rloo_trainer: `self.is_deepspeed_enabled`; trainer/utils: "
+                  "`is_deepspeed_zero3_enabled()` then `GatheredParameters` over `ds_status`; models/utils, "
+                  "callbacks, distributed: `import deepspeed`",
+                  "wraps reference models with `deepspeed.initialize`, gathers the LM head for generation",
+                  "TRL's code reads accelerate's `is_deepspeed_enabled` (false) and gets false from "
+                  "`is_deepspeed_zero3_enabled()` (caller rule `trl.*`): TRL's plain paths"),
+    LibraryBranch("trl", "import_utils: `is_deepspeed_available` (find_spec only, no metadata check)",
+                  "reports DeepSpeed's version in `trl env`",
+                  "answers true while hf_zero's namespace is installed; only `trl env` reads it (run it outside "
+                  "`hf-zero run`)"),
 )
