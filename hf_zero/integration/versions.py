@@ -84,7 +84,7 @@ def _default(args: Any, attr: str) -> Any:
 def _warmup_ratio(args: Any, ratio: Any) -> None:
     if not 0 <= float(ratio) < 1:
         raise ValueError(f"--warmup_ratio must be in [0, 1), got {ratio}; use --warmup_steps for a step count")
-    if args.warmup_steps not in (0, 0.0):
+    if args.warmup_steps not in (0, 0.0, float(ratio)):  # equal: arguments rebuilt from their own dict
         raise ValueError(f"--warmup_ratio {ratio} and --warmup_steps {args.warmup_steps} both given; pass one")
     args.warmup_steps = float(ratio)  # transformers 5 reads warmup_steps < 1 as a ratio of the total steps
 
