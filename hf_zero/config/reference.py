@@ -6,14 +6,12 @@ page against :func:`render_blocks`, so the docs cannot drift from what the parse
 
 from __future__ import annotations
 
-import re
-
 from hf_zero.config.no_effect import NO_EFFECT_KEYS
 from hf_zero.config.refused import UNSUPPORTED
+from hf_zero.utils.doc_blocks import replace_generated_blocks
 
 __all__ = ["render_blocks", "update_page"]
 
-_BLOCK = re.compile(r"(<!-- generated: (\w+) -->\n)(.*?)(<!-- end generated -->)", re.S)
 
 
 def _cell(text: str) -> str:
@@ -32,12 +30,4 @@ def render_blocks() -> dict[str, str]:
 
 def update_page(text: str) -> str:
     """``text`` with every ``<!-- generated: NAME -->`` block replaced by :func:`render_blocks`."""
-    blocks = render_blocks()
-
-    def replace(match: re.Match) -> str:
-        name = match.group(2)
-        if name not in blocks:
-            raise KeyError(f"docs block {name!r} has no generator (known: {', '.join(blocks)})")
-        return match.group(1) + blocks[name] + match.group(4)
-
-    return _BLOCK.sub(replace, text)
+    return replace_generated_blocks(text, render_blocks())

@@ -6,14 +6,13 @@ unit test checks the page against :func:`render_blocks`, so the docs cannot drif
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
+
+from hf_zero.utils.doc_blocks import replace_generated_blocks
 
 __all__ = ["DOCS_PAGE", "render_blocks", "update_page"]
 
 DOCS_PAGE = Path(__file__).resolve().parents[2] / "docs" / "deepspeed_compat.md"
-
-_BLOCK = re.compile(r"(<!-- generated: (\w+) -->\n)(.*?)(<!-- end generated -->)", re.S)
 
 
 def _cell(text: str) -> str:
@@ -47,15 +46,7 @@ def render_blocks() -> dict[str, str]:
 
 def update_page(text: str) -> str:
     """``text`` with every generated block replaced by :func:`render_blocks`."""
-    blocks = render_blocks()
-
-    def replace(match: re.Match) -> str:
-        name = match.group(2)
-        if name not in blocks:
-            raise KeyError(f"docs block {name!r} has no generator (known: {', '.join(blocks)})")
-        return match.group(1) + blocks[name] + match.group(4)
-
-    return _BLOCK.sub(replace, text)
+    return replace_generated_blocks(text, render_blocks())
 
 
 if __name__ == "__main__":
