@@ -102,14 +102,21 @@ def _shard(model: nn.Module, config: Any, env: Any, precision: Any) -> None:
 
 
 def _replicate(model: nn.Module, env: Any) -> None:
+    from hf_zero.distributed.collectives import agree_on_error
     from hf_zero.engine.materialize import has_meta_params
 
-    if has_meta_params(model):
-        raise ValueError(
-            f"the frozen {type(model).__name__} has parameters on the meta device, but this ZeRO stage keeps "
-            "a full copy on every rank; load it normally (HF_ZERO_LOW_MEMORY_LOADING=0) or use stage 3"
-        )
-    model.to(env.device)
+    error: BaseException | None = None
+    try:
+        if has_meta_params(model):
+            raise ValueError(
+                f"the frozen {type(model).__name__} has parameters on the meta device, but this ZeRO stage keeps "
+                "a full copy on every rank; load it normally (HF_ZERO_LOW_MEMORY_LOADING=0) or use stage 3"
+            )
+        model.to(env.device)
+    except BaseException as exc:  # noqa: BLE001 -- agreed on below, then re-raised
+        error = exc
+    # A rank that cannot place its copy must not leave the others waiting in the broadcasts.
+    agree_on_error(error, f"placing the frozen {type(model).__name__}", error_type=ValueError)
     if env.world_size > 1 and dist.is_initialized():
         with torch.no_grad():
             for tensor in [*model.parameters(), *model.buffers()]:

@@ -80,8 +80,28 @@ def main() -> None:
         everyone = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, mine)
         results[f"s{stage}-{dtype}"] = everyone
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, meta_at_stage1())
+    results["meta-s1"] = everyone
     if dist.get_rank() == 0:
         torch.save(results, out)
+
+
+def meta_at_stage1() -> str | None:
+    """Rank 1 built the model on the meta device at a stage that replicates it: every rank must
+    raise (none may wait in the broadcasts); returns this rank's error message."""
+    import hf_zero
+
+    if dist.get_rank() == 1:
+        with torch.device("meta"):
+            model = tiny_model("llama", seed=2)
+    else:
+        model = tiny_model("llama", seed=2)
+    try:
+        hf_zero.prepare_frozen_model(model, {"zero_optimization": {"stage": 1}, "train_micro_batch_size_per_gpu": 2})
+    except ValueError as exc:
+        return str(exc)
+    return None
 
 
 if __name__ == "__main__":

@@ -70,3 +70,11 @@ def test_sync_ref_model_mixes_the_two_models(runs, case):
         assert not torch.allclose(got["logits"], got["synced_logits"])  # the sync reached the forward
     for a, b in zip(runs[case][0]["after"], runs[case][1]["after"]):
         assert torch.equal(a, b)  # both ranks hold the same synced model
+
+
+def test_a_rank_that_cannot_place_its_copy_stops_every_rank(runs):
+    """Rank 1 holds a meta model at stage 1: it raises with the remedy, and rank 0 raises naming
+    rank 1 instead of waiting in a broadcast (the launch would time out)."""
+    rank0, rank1 = runs["meta-s1"]
+    assert rank1 is not None and "meta device" in rank1 and "HF_ZERO_LOW_MEMORY_LOADING=0" in rank1
+    assert rank0 is not None and "failed on rank 1" in rank0
