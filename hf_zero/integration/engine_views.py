@@ -1,0 +1,76 @@
+"""What the Trainer loop sees as ``self.optimizer`` and ``self.lr_scheduler`` under hf_zero: thin
+views on the :class:`~hf_zero.engine.engine.ZeroEngine`, which owns the real optimizer and
+scheduler and steps them inside its update (skipped on an fp16 overflow)."""
+
+from __future__ import annotations
+
+__all__ = ["EngineOptimizer", "EngineScheduler"]
+
+
+class EngineOptimizer:
+    """What the Trainer loop calls ``self.optimizer``: the engine's update behind ``step()``."""
+
+    def __init__(self, engine, scheduler: EngineScheduler | None):
+        self.engine = engine
+        self.scheduler = scheduler  # None when the loop steps the real scheduler itself (plateau)
+
+    @property
+    def param_groups(self):
+        return self.engine.optimizer.param_groups
+
+    @property
+    def state(self):
+        return self.engine.optimizer.state
+
+    @property
+    def defaults(self):
+        return self.engine.optimizer.defaults
+
+    def step(self, closure=None):
+        self.engine.optimizer_step()
+        if self.scheduler is not None:
+            self.scheduler.lagging = True
+
+    def zero_grad(self, set_to_none: bool = True):
+        self.engine.zero_grad()
+
+    def state_dict(self):
+        return self.engine.optimizer.state_dict()
+
+    def load_state_dict(self, state):
+        self.engine.optimizer.load_state_dict(state)
+
+    @property
+    def step_was_skipped(self) -> bool:
+        return self.engine.last_step_skipped
+
+
+class EngineScheduler:
+    """What the loop calls ``self.lr_scheduler``: the engine steps the real one inside its update
+    (and not on an fp16 overflow), so ``step()`` here does nothing.
+
+    The loop reads ``get_last_lr()`` between ``optimizer.step()`` and ``lr_scheduler.step()`` to
+    log the rate the update used; the engine's scheduler has already moved on by then, so until
+    the loop's ``step()`` the view answers with the rates of the last update."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.lagging = False  # the engine stepped the scheduler; the loop has not called step() yet
+
+    def step(self, *args, **kwargs):
+        self.lagging = False
+        return None
+
+    def get_last_lr(self):
+        if self.lagging:
+            return self.engine.get_last_step_lr()
+        if self.engine.lr_scheduler is not None:
+            return self.engine.lr_scheduler.get_last_lr()
+        return self.engine.get_lr()
+
+    def state_dict(self):
+        return self.engine.lr_scheduler.state_dict() if self.engine.lr_scheduler is not None else {}
+
+    def load_state_dict(self, state):
+        if self.engine.lr_scheduler is not None:
+            self.engine.lr_scheduler.load_state_dict(state)
