@@ -13,13 +13,14 @@ import difflib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from hf_zero.cli.launch.accelerate_form import accelerate_request, add_accelerate_options
 from hf_zero.cli.launch.deepspeed_form import add_deepspeed_options, deepspeed_request
 from hf_zero.cli.launch.request import Given, LaunchLineError, LaunchRequest, given_options
 from hf_zero.cli.launch.torchrun_form import add_torchrun_options, torchrun_request
 
 __all__ = ["ParsedLine", "build_launch_parser", "launch_request", "parse_launch_line"]
 
-USAGE = "hf-zero run [torchrun options | DeepSpeed launcher options] SCRIPT [SCRIPT ARGS ...]"
+USAGE = "hf-zero run [torchrun options | DeepSpeed launcher options | accelerate launch options] SCRIPT [SCRIPT ARGS ...]"
 DESCRIPTION = """\
 Runs SCRIPT on several processes with torch's elastic launcher (torchrun). In each rank,
 transformers' Trainer and TrainingArguments are replaced by hf_zero's before SCRIPT starts, so
@@ -29,6 +30,7 @@ Replace `torchrun` or `deepspeed` on your launch line with `hf-zero run`:
   torchrun --standalone --nnodes=1 --nproc_per_node=2 train.py ...  ->  hf-zero run --standalone --nnodes=1 --nproc_per_node=2 train.py ...
   deepspeed --num_gpus 2 train.py --deepspeed ds.json               ->  hf-zero run --num_gpus 2 train.py --deepspeed ds.json
   deepspeed --include localhost:0,1 --master_port 29501 train.py    ->  hf-zero run --include localhost:0,1 --master_port 29501 train.py
+  accelerate launch --config_file fsdp_config.yaml train.py         ->  hf-zero run --config_file fsdp_config.yaml train.py
 
 Without --nproc_per_node (or --num_gpus/--include/--exclude) one process per visible GPU, or one
 on a CPU machine. With DeepSpeed-launcher options each rank's SCRIPT gets --local_rank=N, as
@@ -58,10 +60,12 @@ def build_launch_parser() -> tuple[argparse.ArgumentParser, dict[str, str]]:
                            formatter_class=argparse.RawDescriptionHelpFormatter)
     add_torchrun_options(parser)
     keys = add_deepspeed_options(parser)
+    accelerate_keys = add_accelerate_options(parser)
     parser.add_argument("script", metavar="SCRIPT",
                         help="the training script (a module name with --module/-m)")
     parser.add_argument("script_args", nargs=argparse.REMAINDER, metavar="SCRIPT ARGS",
                         help="the script's own arguments (--zero_config ds.json, --output_dir, ...)")
+    parser.accelerate_keys = accelerate_keys  # read by parse_launch_line
     return parser, keys
 
 
@@ -73,6 +77,8 @@ class ParsedLine:
         given: every launcher option given, by key (torchrun's dest, or ``deepspeed.NAME``).
         deepspeed_keys: DeepSpeed option name -> its key in ``given``.
         script: SCRIPT.
+        accelerate_keys: accelerate option dest -> its key in ``given`` (``accelerate.DEST`` or the
+            shared torchrun/DeepSpeed key).
         script_args: SCRIPT's arguments.
     """
 
@@ -80,6 +86,7 @@ class ParsedLine:
     deepspeed_keys: Mapping[str, str]
     script: str
     script_args: tuple[str, ...]
+    accelerate_keys: Mapping[str, str] = None  # type: ignore[assignment]
 
 
 def parse_launch_line(argv: Sequence[str]) -> ParsedLine:
@@ -94,7 +101,7 @@ def parse_launch_line(argv: Sequence[str]) -> ParsedLine:
     if unknown:
         raise LaunchLineError(_unknown_option_message(unknown[0], parser))
     return ParsedLine(given=given_options(namespace), deepspeed_keys=keys, script=namespace.script,
-                      script_args=tuple(namespace.script_args))
+                      script_args=tuple(namespace.script_args), accelerate_keys=parser.accelerate_keys)
 
 
 def launch_request(line: ParsedLine, *, gpu_count: int, env: Mapping[str, str]) -> LaunchRequest:
@@ -108,6 +115,9 @@ def launch_request(line: ParsedLine, *, gpu_count: int, env: Mapping[str, str]) 
     Raises:
         LaunchLineError: torchrun-only and DeepSpeed-only options on one line, or what the form refuses.
     """
+    accelerate_only = [k for k in line.given if k.startswith("accelerate.")]
+    if accelerate_only:
+        return _accelerate_line(line, accelerate_only, gpu_count=gpu_count, env=env)
     deepspeed_only = [k for k in line.given if k.startswith("deepspeed.")]
     shared = {k for k in line.deepspeed_keys.values() if not k.startswith("deepspeed.")}
     torchrun_only = [k for k in line.given if not k.startswith("deepspeed.") and k not in shared]
@@ -123,11 +133,29 @@ def launch_request(line: ParsedLine, *, gpu_count: int, env: Mapping[str, str]) 
     return torchrun_request(line.given, line.script, list(line.script_args))
 
 
+def _accelerate_line(line: ParsedLine, accelerate_only: list[str], *, gpu_count: int,
+                     env: Mapping[str, str]) -> LaunchRequest:
+    """An accelerate-form line: options only accelerate has, plus the ones it shares with torchrun
+    (``--module``, ``--rdzv_backend``, ``--max_restarts``...) or DeepSpeed (``--quiet``)."""
+    keys = line.accelerate_keys or {}
+    shared_keys = {key: dest for dest, key in keys.items() if not key.startswith("accelerate.")}
+    others = [k for k in line.given if not k.startswith("accelerate.") and k not in shared_keys]
+    if others:
+        a, o = line.given[accelerate_only[0]].spelling, line.given[others[0]].spelling
+        launcher = "DeepSpeed launcher" if others[0].startswith("deepspeed.") else "torchrun"
+        raise LaunchLineError(
+            f"{a} is an accelerate launch option and {o} a {launcher} option: use one launcher's options on a line. "
+            "accelerate form: hf-zero run --num_processes 2 [--config_file FILE] SCRIPT ...")
+    given = {key.split(".", 1)[1]: g for key, g in line.given.items() if key.startswith("accelerate.")}
+    shared = {key: g for key, g in line.given.items() if key in shared_keys and not key.startswith("deepspeed.")}
+    return accelerate_request(given, shared, line.script, line.script_args, gpu_count=gpu_count, env=env)
+
+
 def _unknown_option_message(token: str, parser: argparse.ArgumentParser) -> str:
     option = token.split("=", 1)[0]
     known = [s for s in parser._option_string_actions if s.startswith("--")]
     close = difflib.get_close_matches(option, known, n=1)
     hint = f" (did you mean {close[0]}?)" if close else ""
-    return (f"unknown launcher option {option}{hint}. hf-zero run takes torchrun's options and the DeepSpeed "
-            "launcher's one-node options before SCRIPT (hf-zero run --help lists them); options for your script go "
+    return (f"unknown launcher option {option}{hint}. hf-zero run takes torchrun's options, the DeepSpeed "
+            "launcher's one-node options and accelerate launch's options before SCRIPT (hf-zero run --help lists them); options for your script go "
             "after SCRIPT")

@@ -98,14 +98,15 @@ def plan_request(request: LaunchRequest, *, gpu_names: Sequence[str] = (), p2p_o
             f"--nproc_per_node {parsed.nproc_per_node} starts {nproc} processes but {len(gpu_names)} GPU(s) are "
             f"visible: each rank uses GPU LOCAL_RANK, so run at most {len(gpu_names)} (--nproc_per_node "
             f"{len(gpu_names)}), or check CUDA_VISIBLE_DEVICES")
-    args += ["-m", BOOTSTRAP_MODULE, *(["-m"] if request.module else []), request.script, *request.script_args]
+    args += ["-m", request.bootstrap or BOOTSTRAP_MODULE, *(["-m"] if request.module else []), request.script,
+             *request.script_args]
 
     extra = dict(request.env)
     if request.pass_local_rank:
         extra[PASS_LOCAL_RANK_ENV] = "1"
     nccl, notes = nccl_env_for_gpus(gpu_names, p2p_ok, env)
     extra.update(nccl)
-    if "OMP_NUM_THREADS" not in env and nproc > 1:
+    if "OMP_NUM_THREADS" not in env and "OMP_NUM_THREADS" not in extra and nproc > 1:
         # Ranks share the node's cores. torchrun would give each GPU rank a single thread, and the
         # offloaded optimizer step (a CPU AdamW over the rank's whole shard) would run on one core.
         extra["OMP_NUM_THREADS"] = str(max(1, _cores() // nproc))

@@ -46,7 +46,7 @@ class LaunchRequest:
     """A launch line in torchrun's terms, before hardware-dependent planning.
 
     Attributes:
-        form: ``"torchrun"`` or ``"deepspeed"`` (which launcher's options the line used).
+        form: ``"torchrun"``, ``"deepspeed"`` or ``"accelerate"`` (which launcher's options the line used).
         options: torchrun options keyed by torch's dest, in the order to pass them.
         script: the training script path, or a module name when ``module`` is set.
         script_args: the script's own arguments.
@@ -54,6 +54,8 @@ class LaunchRequest:
         env: variables the line sets for every rank (``CUDA_VISIBLE_DEVICES`` from ``--include``).
         pass_local_rank: each rank's script gets ``--local_rank=N`` (DeepSpeed's launcher does this).
         notes: lines to print before launching.
+        bootstrap: the module each rank runs before the script (None: hf_zero's Trainer bootstrap;
+            accelerate-form lines also install the ``Accelerator`` hand-off).
     """
 
     form: str
@@ -64,3 +66,4 @@ class LaunchRequest:
     env: Mapping[str, str] = field(default_factory=dict)
     pass_local_rank: bool = False
     notes: tuple[str, ...] = ()
+    bootstrap: str | None = None
