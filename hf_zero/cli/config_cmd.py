@@ -1,4 +1,5 @@
 """``hf-zero config check FILE [FILE ...]``: parse, merge and resolve configs without training.
+``hf-zero config --from-accelerate FILE``: the hf_zero config an accelerate config file becomes.
 
 Prints the resolved config as JSON (the hf_zero field tree), the keys still ``"auto"`` and the
 accepted keys that have no effect, and exits 0; or prints every problem to stderr and exits 2.
@@ -18,7 +19,7 @@ import warnings
 from types import SimpleNamespace
 from typing import Any
 
-__all__ = ["CliTrainingArgs", "register", "run_check"]
+__all__ = ["CliTrainingArgs", "register", "run_check", "run_from_accelerate"]
 
 # Flags that stand for TrainingArguments fields; giving any of them builds a CliTrainingArgs.
 _TRAINER_FLAGS = (
@@ -63,7 +64,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     """
     config = subparsers.add_parser("config", help="check DeepSpeed-style config files",
                                    description="Inspect DeepSpeed-style configs the way hf_zero reads them.")
-    config.set_defaults(func=lambda args: _usage(config))
+    config.add_argument(
+        "--from-accelerate", "--from_accelerate", dest="from_accelerate", metavar="FILE",
+        help="print the hf_zero config an accelerate config file (accelerate config --config_file FILE) becomes: "
+        "its DEEPSPEED or FSDP settings as a DeepSpeed-style config, plus wrapping, state dict type, activation "
+        "checkpointing and the settings that change nothing (docs/accelerate.md)")
+    config.add_argument("--zero_config_only", action="store_true",
+                        help="with --from-accelerate: print only the config (a file to pass as --zero_config)")
+    config.set_defaults(func=lambda args: run_from_accelerate(args) if args.from_accelerate else _usage(config))
     actions = config.add_subparsers(dest="config_command", metavar="ACTION")
 
     check = actions.add_parser(
@@ -174,5 +182,34 @@ def run_check(ns: argparse.Namespace) -> int:
         "no_effect": describe_no_effect(cfg),
         "notes": _notes(cfg),
     }
+    print(json.dumps(report, indent=2))
+    return 0
+
+
+def run_from_accelerate(ns: argparse.Namespace) -> int:
+    """Run ``hf-zero config --from-accelerate FILE``: print what ``hf-zero run --config_file FILE``
+    would train with, as JSON; exit 2 (with the reason) when hf_zero refuses the file.
+
+    The ``zero_config`` part is checked by hf_zero's parser; ``"auto"`` values stay for the Trainer
+    or the ``Accelerator`` to fill at start-up, as accelerate's plugin leaves them.
+    """
+    from hf_zero.config import ZeroConfigError, describe_no_effect, parse_config
+    from hf_zero.config.sources.accelerate_yaml import settings_from_accelerate_file
+
+    try:
+        settings = settings_from_accelerate_file(ns.from_accelerate)
+        parsed = parse_config(settings.zero_config) if settings.zero_config is not None else None
+    except ZeroConfigError as err:
+        print(f"hf-zero config: {err}", file=sys.stderr)
+        return 2
+    if ns.zero_config_only:
+        if settings.zero_config is None:
+            print(f"hf-zero config: {ns.from_accelerate}: distributed_type {settings.distributed_type} has no ZeRO "
+                  "config (use DEEPSPEED or FSDP)", file=sys.stderr)
+            return 2
+        print(json.dumps(settings.zero_config, indent=2))
+        return 0
+    report = settings.to_json()
+    report["no_effect"] = [*report["no_effect"], *(describe_no_effect(parsed) if parsed is not None else [])]
     print(json.dumps(report, indent=2))
     return 0

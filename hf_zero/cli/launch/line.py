@@ -43,6 +43,11 @@ class _LaunchParser(argparse.ArgumentParser):
     """argparse that raises :class:`LaunchLineError` instead of printing and exiting, so that
     ``hf-zero run`` reports every bad line the same way (and tests can read the message)."""
 
+    def _get_option_tuples(self, option_string):
+        # accelerate's parser takes no abbreviations (allow_abbrev=False), so its options are matched
+        # whole only; a prefix of them (a script's --deepspeed after SCRIPT) stays unambiguous.
+        return [t for t in super()._get_option_tuples(option_string) if not t[0].dest.startswith("accelerate.")]
+
     def error(self, message: str):
         if message.startswith("the following arguments are required"):
             message = "no SCRIPT given"  # argparse would also list SCRIPT ARGS, which may be empty
