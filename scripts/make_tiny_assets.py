@@ -232,6 +232,20 @@ def make_model(kind: str, tokenizer):
     return model
 
 
+def portable_tokenizer_config(path: Path) -> None:
+    """Rewrite ``tokenizer_config.json`` as transformers 4.56+ and 5.x both read it: transformers 5
+    writes ``tokenizer_class: TokenizersBackend`` and ``extra_special_tokens`` as a list, which 4.x
+    cannot load; ``PreTrainedTokenizerFast`` and ``additional_special_tokens`` give the same
+    tokenizer (same ids, special tokens and chat template) in both."""
+    config = json.loads(path.read_text(encoding="utf-8"))
+    if config.get("tokenizer_class") == "TokenizersBackend":
+        config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    if isinstance(config.get("extra_special_tokens"), list):
+        config["additional_special_tokens"] = config.pop("extra_special_tokens")
+    config.pop("backend", None)
+    path.write_text(json.dumps(config, indent=2, sort_keys=True, ensure_ascii=False) + "\n", encoding="utf-8")
+
+
 # ----------------------------------------------------------------------------------------- main
 def generate(out_dir: Path) -> list[Path]:
     import torch
@@ -255,6 +269,7 @@ def generate(out_dir: Path) -> list[Path]:
         model = make_model(kind, tokenizer)
         model.save_pretrained(folder)
         tokenizer.save_pretrained(folder)
+        portable_tokenizer_config(folder / "tokenizer_config.json")
     return sorted(p for p in out_dir.rglob("*") if p.is_file() and p.name != "README.md")
 
 

@@ -43,7 +43,7 @@ import functools
 import logging
 import os
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -171,6 +171,37 @@ def _weights_on_meta() -> Iterator[None]:
         PreTrainedModel._load_pretrained_model = original
 
 
+@contextlib.contextmanager
+def _buffers_kept() -> Iterator[Callable[[nn.Module], None]]:
+    """Record the real buffers of the model ``_load_pretrained_model`` (transformers < 5.3, a
+    classmethod) receives, i.e. as built, before ``from_pretrained``'s dispatch moves them; yields
+    ``restore(model)``, which puts them back where they are meta afterwards."""
+    from transformers import PreTrainedModel
+
+    original = PreTrainedModel.__dict__["_load_pretrained_model"]
+    kept: dict[int, dict[str, torch.Tensor]] = {}
+
+    def record(cls, model, *args, **kwargs):
+        for module in model.modules():
+            real = {k: b for k, b in module._buffers.items() if b is not None and not b.is_meta}
+            if real:
+                kept[id(module)] = real
+        return original.__func__(cls, model, *args, **kwargs)
+
+    def restore(model: nn.Module) -> None:
+        for module in model.modules():
+            for key, buf in kept.get(id(module), {}).items():
+                current = module._buffers.get(key)
+                if current is not None and current.is_meta and current.shape == buf.shape:
+                    module._buffers[key] = buf.to(current.dtype)
+
+    PreTrainedModel._load_pretrained_model = classmethod(functools.wraps(original.__func__)(record))
+    try:
+        yield restore
+    finally:
+        PreTrainedModel._load_pretrained_model = original
+
+
 def _patched_from_pretrained(cls, *args, **kwargs):
     original = _ORIGINAL["from_pretrained"].__func__
     if not _active():
@@ -180,8 +211,14 @@ def _patched_from_pretrained(cls, *args, **kwargs):
     if isinstance(PreTrainedModel.__dict__.get("_load_pretrained_model"), staticmethod):
         with _weights_on_meta():
             model = original(cls, *args, **kwargs)
-    else:  # a transformers without the private hook: the public, slower way (reads, then drops, the data)
-        model = original(cls, *args, **{**kwargs, "device_map": "meta"})
+    else:
+        # transformers < 5.3 (a classmethod hook with another signature): the public, slower way,
+        # device_map="meta" (reads, then drops, the data one file at a time). Its final dispatch
+        # also moves the buffers to meta; those transformers computed at construction (rotary
+        # inv_freq) are put back, as the newer path leaves them.
+        with _buffers_kept() as restore:
+            model = original(cls, *args, **{**kwargs, "device_map": "meta"})
+        restore(model)
     logger.info(
         "hf_zero: LOCAL_RANK %s built %s on the meta device; the ZeRO-3 engine fills its shards from rank 0",
         os.environ.get("LOCAL_RANK"), type(model).__name__,

@@ -31,6 +31,7 @@ __all__ = [
     "RemovedName",
     "REMOVED_NAMES",
     "removed_argument_fields",
+    "removed_from_installed",
     "apply_removed_arguments",
     "render_table",
 ]
@@ -211,12 +212,34 @@ REMOVED_NAMES: tuple[RemovedName, ...] = (
 )
 
 
+def _installed_fields() -> frozenset[str]:
+    """The fields of the installed ``TrainingArguments``: on a release older than an entry's
+    ``removed_in`` the name is still its own, and transformers handles it as it always did."""
+    from transformers import TrainingArguments
+
+    return frozenset(f.name for f in dataclasses.fields(TrainingArguments))
+
+
+def removed_from_installed(entry: RemovedName) -> bool:
+    """Whether the installed transformers lacks ``entry`` (it is as new as ``removed_in`` or
+    newer). An argument counts as removed when the installed ``TrainingArguments`` has no such
+    field; the other kinds by the release number."""
+    if entry.kind == "argument":
+        return entry.name not in _installed_fields()
+    import transformers
+    from packaging.version import Version
+
+    return Version(transformers.__version__).release >= Version(entry.removed_in).release
+
+
 def removed_argument_fields() -> list[tuple[str, Any, Any]]:
-    """``(name, type, dataclasses.field)`` for every removed ``TrainingArguments`` field, for
-    :func:`dataclasses.make_dataclass`: the parser then accepts the old flags."""
+    """``(name, type, dataclasses.field)`` for every ``TrainingArguments`` field the installed
+    transformers has removed, for :func:`dataclasses.make_dataclass`: the parser then accepts the
+    old flags."""
     out = []
+    installed = _installed_fields()
     for entry in REMOVED_NAMES:
-        if entry.kind != "argument":
+        if entry.kind != "argument" or entry.name in installed:
             continue
         help_text = f"removed in transformers {entry.removed_in}; hf_zero: {entry.handling} -> {entry.replacement}"
         out.append((entry.name, entry.type | None, field(default=entry.default, metadata={"help": help_text})))
@@ -225,13 +248,15 @@ def removed_argument_fields() -> list[tuple[str, Any, Any]]:
 
 def apply_removed_arguments(args: Any) -> None:
     """Map the removed fields ``args`` holds onto transformers 5 (run before its ``__post_init__``).
+    Names the installed release still has (an older one) are left to it.
 
     Raises:
         ValueError: a refused argument with a value that asks for something, naming the
             replacement; or an alias given together with its replacement set differently.
     """
+    installed = _installed_fields()
     for entry in REMOVED_NAMES:
-        if entry.kind != "argument" or not hasattr(args, entry.name):
+        if entry.kind != "argument" or entry.name in installed or not hasattr(args, entry.name):
             continue
         value = getattr(args, entry.name)
         if entry.handling == "error":

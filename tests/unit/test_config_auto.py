@@ -249,7 +249,9 @@ def test_real_training_arguments(tmp_path: Path) -> None:
     args = transformers.TrainingArguments(
         output_dir=str(tmp_path), per_device_train_batch_size=2, gradient_accumulation_steps=3,
         learning_rate=2e-5, weight_decay=0.01, adam_beta2=0.98, adam_epsilon=1e-7, max_grad_norm=0.5,
-        warmup_steps=0.1, report_to="none",
+        report_to="none",
+        # a warmup ratio: transformers 5 reads warmup_steps < 1 as one, 4.x has warmup_ratio for it
+        **({"warmup_steps": 0.1} if int(transformers.__version__.split(".")[0]) >= 5 else {"warmup_ratio": 0.1}),
     )
     model = SimpleNamespace(config=SimpleNamespace(hidden_size=32))
     cfg = load_config([SEEDS / "openmind_zero3_full.json", SEEDS / "openmind_scheduler.json"], args, model,

@@ -67,7 +67,8 @@ def tied_checkpoint(tmp_path_factory):
 def _load(path):
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager")
+    # dtype="auto": the dtype the files hold (transformers 5's default; 4.x loads fp32 without it)
+    return AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager", dtype="auto")
 
 
 # ----------------------------------------------------------------------------------------------- consolidate

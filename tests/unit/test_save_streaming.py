@@ -109,7 +109,11 @@ def test_moe_experts_are_written_in_the_checkpoint_layout(tmp_path):
                             shared_expert_intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
                             num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, vocab_size=100)
     model = Qwen2MoeForCausalLM(config)
-    assert any(n.endswith("experts.gate_up_proj") for n in model.state_dict())  # fused in memory
+    import transformers
+
+    fused = any(n.endswith("experts.gate_up_proj") for n in model.state_dict())
+    # transformers 5 fuses the experts in memory; 4.x keeps them one module each, as stored.
+    assert fused == (int(transformers.__version__.split(".")[0]) >= 5)
     for shard in ("5GB", "20KB"):
         ours, theirs = tmp_path / f"ours-{shard}", tmp_path / f"theirs-{shard}"
         save_16bit_model(model, ours, dtype=torch.float32, max_shard_size=shard)
