@@ -122,7 +122,7 @@ def convert(values: dict[str, Any], source: str) -> AccelerateSettings:
     mixed = str(values.get("mixed_precision") or "no").lower()
     if mixed == "fp8":
         raise ZeroConfigError(f"{source}: mixed_precision fp8 is not supported by hf_zero; use bf16 (or fp16)")
-    if mixed not in ("no", "fp16", "bf16"):
+    if mixed not in ("no", "fp16", "bf16", "auto"):  # "auto": the Accelerator's own, at prepare
         raise ZeroConfigError(f"{source}: mixed_precision {mixed!r}: use no, fp16 or bf16")
     if values.get("use_parallelism_config") or values.get("parallelism_config"):
         raise ZeroConfigError(f"{source}: parallelism_config (tensor/context/sequence parallel, HSDP) is not part of "
@@ -227,7 +227,7 @@ def _deepspeed(values: Mapping[str, Any], mixed: str, source: str) -> tuple[dict
                 f"{source}: {', '.join(clash)} beside deepspeed_config_file {file}: accelerate refuses this too "
                 f"(with a DeepSpeed config file it ignores {', '.join(_IGNORED_WITH_DS_FILE)}). Put these values "
                 "in the DeepSpeed config file and remove them from the accelerate config")
-        config, _ = load_raw(str(file))
+        config, _ = load_raw(file if isinstance(file, Mapping) else str(file))
         config.setdefault("gradient_accumulation_steps", 1)
         if "zero_optimization" not in config:
             raise ZeroConfigError(f"{file}: no zero_optimization section; accelerate's DeepSpeedPlugin needs one "
@@ -275,7 +275,12 @@ def _node(config: dict[str, Any], dotted: str) -> tuple[dict[str, Any] | None, s
 
 
 def _set_mixed_precision(config: dict[str, Any], mixed: str, source: str) -> None:
-    """``DeepSpeedPlugin.set_mixed_precision``: add the fp16/bf16 sections, fill their ``"auto"``."""
+    """``DeepSpeedPlugin.set_mixed_precision``: add the fp16/bf16 sections, fill their ``"auto"``.
+    ``mixed`` ``"auto"`` (no launcher said): absent sections stay ``"auto"`` for the Accelerator's."""
+    if mixed == "auto":
+        for dtype in ("fp16", "bf16"):
+            config.setdefault(dtype, {"enabled": "auto"})
+        return
     if mixed == "fp16" and "fp16" not in config:
         config["fp16"] = {"enabled": True, "auto_cast": True}
     elif mixed == "bf16" and "bf16" not in config:
@@ -360,6 +365,8 @@ def _fsdp(values: Mapping[str, Any], mixed: str, source: str):
     config: dict[str, Any] = {"zero_optimization": zero}
     if mixed in ("fp16", "bf16"):
         config[mixed] = {"enabled": True}
+    elif mixed == "auto":
+        config.update(fp16={"enabled": "auto"}, bf16={"enabled": "auto"})
     return config, wrap, state_dict_type, checkpointing, bool(ram and stage == 3), notes
 
 
