@@ -71,6 +71,14 @@ CHANGES: tuple[Change, ...] = (
         "rotate_checkpoints() here calls whichever the installed release has",
     ),
     Change(
+        "Trainer.train(resume_from_checkpoint=...) keeps the arguments' per-device batch size",
+        "5.3.0",
+        "train() replaced it with the checkpoint's train_batch_size (trainer_state.json), also without "
+        "--auto_find_batch_size",
+        "InlineLoopHooks._inner_training_loop trains with args.train_batch_size unless --auto_find_batch_size, "
+        "so a run resumed on another number of ranks uses the batch its zero config was resolved from",
+    ),
+    Change(
         "Trainer.loss_is_scaled_for_ga (a subclass declares whether compute_loss already divided by the "
         "accumulation steps)",
         "5.18.0",
@@ -99,6 +107,14 @@ class InlineLoopHooks:
     """
 
     _hf_zero_max_steps: int | None = None
+
+    def _inner_training_loop(self, batch_size=None, args=None, *rest, **kwargs):
+        if self.zero_enabled and args is not None and not args.auto_find_batch_size:
+            # train() replaced the batch size with the checkpoint's when resuming (fixed in 5.3):
+            # a run resumed on another number of ranks would train with the old per-rank batch,
+            # not the one the zero config was resolved from.
+            batch_size = args.train_batch_size
+        return super()._inner_training_loop(batch_size, args, *rest, **kwargs)
 
     def create_optimizer_and_scheduler(self, num_training_steps: int) -> None:
         if not self.zero_enabled:

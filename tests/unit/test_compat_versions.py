@@ -35,6 +35,7 @@ def test_loop_hooks_detected_from_what_the_loop_calls():
 def test_inline_loop_runs_the_steps_the_adapter_expects_in_order():
     source = _loop_source()
     steps = [
+        "self._train_batch_size = batch_size",  # the batch size _inner_training_loop is given is the one used
         "self.create_optimizer_and_scheduler(num_training_steps=max_steps)",
         "model = self._wrap_model(self.model_wrapped)",
         "self.accelerator.prepare(self.model, self.optimizer)",
