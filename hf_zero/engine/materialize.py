@@ -104,15 +104,62 @@ def should_use_low_memory_loading(zero_config: Any) -> bool:
     return int(stage) == 3
 
 
-def zero_config_from_argv(argv: list[str]) -> str | None:
-    """The value of ``--zero_config``/``--deepspeed`` (``--x v`` or ``--x=v``) in a script's
-    arguments, or None; what the launcher reads before the script parses its own arguments."""
+_CONFIG_KEYS = ("zero_config", "deepspeed")
+
+
+def zero_config_from_argv(argv: list[str]) -> Any:
+    """The zero config a script's arguments name, or None; what the launcher reads before the
+    script parses its own arguments. In order of precedence:
+
+    - ``--zero_config``/``--deepspeed`` (``--x v`` or ``--x=v``);
+    - ``deepspeed=v``/``zero_config=v`` (the ``key=value`` overrides LLaMA-Factory and other
+      OmegaConf front ends take after their YAML);
+    - the ``deepspeed``/``zero_config`` key of an arguments file given as a bare argument
+      (``train.py args.yaml``, ``launcher.py cfg.yaml``: LLaMA-Factory's YAML, HfArgumentParser's
+      ``parse_yaml_file``/``parse_json_file`` files); the value as written there (a path is
+      relative to the working directory, as the script reads it, or an inline dict).
+    """
     for i, arg in enumerate(argv):
-        for flag in ("--zero_config", "--deepspeed"):
+        for flag in ("--" + key for key in _CONFIG_KEYS):
             if arg == flag and i + 1 < len(argv):
                 return argv[i + 1]
             if arg.startswith(flag + "="):
                 return arg.split("=", 1)[1]
+    for arg in reversed(argv):
+        for key in _CONFIG_KEYS:
+            if arg.startswith(key + "="):
+                return arg.split("=", 1)[1] or None
+    for i, arg in enumerate(argv):
+        if i > 0 and argv[i - 1].startswith("--") and "=" not in argv[i - 1]:
+            continue  # the value of a flag, not an arguments file
+        found = _config_in_arguments_file(arg)
+        if found is not None:
+            return found
+    return None
+
+
+def _config_in_arguments_file(arg: str) -> Any:
+    """``deepspeed``/``zero_config`` of a YAML or JSON arguments file, or None (not such a file,
+    unreadable, or without the key: the script's own parsing reports a broken file)."""
+    if not arg.lower().endswith((".yaml", ".yml", ".json")) or not os.path.isfile(arg):
+        return None
+    try:
+        with open(arg, encoding="utf-8") as f:
+            if arg.lower().endswith(".json"):
+                import json
+
+                data = json.load(f)
+            else:
+                import yaml
+
+                data = yaml.safe_load(f)
+    except Exception:
+        return None
+    if not isinstance(data, dict):
+        return None
+    for key in _CONFIG_KEYS:
+        if data.get(key):
+            return data[key]
     return None
 
 

@@ -71,6 +71,25 @@ def test_policy(monkeypatch, as_rank):
     assert mz.zero_config_from_argv(["--lr", "1"]) is None
 
 
+def test_zero_config_inside_an_arguments_file(tmp_path, monkeypatch):
+    """LLaMA-Factory's ``launcher.py cfg.yaml`` (``deepspeed:`` in the YAML, ``key=value``
+    overrides after it) and HfArgumentParser's ``train.py args.json``."""
+    import json
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "cfg.yaml").write_text("model_name_or_path: m\ndeepspeed: ds_z3.json\nstage: sft\n")
+    (tmp_path / "args.json").write_text(json.dumps({"output_dir": "o", "zero_config": {"zero_optimization": {"stage": 3}}}))
+    (tmp_path / "plain.yaml").write_text("model_name_or_path: m\n")
+    assert mz.zero_config_from_argv(["cfg.yaml"]) == "ds_z3.json"
+    assert mz.zero_config_from_argv(["cfg.yaml", "deepspeed=ds_z2.json"]) == "ds_z2.json"
+    assert mz.zero_config_from_argv(["cfg.yaml", "--deepspeed", "ds.json"]) == "ds.json"
+    assert mz.zero_config_from_argv(["args.json"]) == {"zero_optimization": {"stage": 3}}
+    assert mz.should_use_low_memory_loading(mz.zero_config_from_argv(["args.json"]))
+    assert mz.zero_config_from_argv(["plain.yaml"]) is None
+    assert mz.zero_config_from_argv(["--config", "cfg.yaml"]) is None  # a flag's value is not an arguments file
+    assert mz.zero_config_from_argv(["missing.yaml"]) is None
+
+
 @pytest.mark.parametrize("kind", ["qwen2_tied", "llama"])
 def test_meta_load_on_local_rank_1(saved, as_rank, kind):
     as_rank(1)
