@@ -35,6 +35,9 @@ class ZeroArgumentsMixin:
         from hf_zero.config.parse import parse_config
 
         apply_removed_arguments(self)
+        from hf_zero.accelerate_support.trainer_args import apply_launch_settings
+
+        apply_launch_settings(self)  # hf-zero run with accelerate's options or config file (docs/accelerate.md)
         deepspeed = getattr(self, "deepspeed", None)
         if deepspeed:
             if self.zero_config is not None and self.zero_config != deepspeed:
