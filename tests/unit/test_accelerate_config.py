@@ -425,3 +425,10 @@ def test_config_from_accelerate_prints_the_config(files, capsys):
     hybrid = files("hybrid.yaml", SOURCE_003_YAML.replace("fsdp_sharding_strategy: 1", "fsdp_sharding_strategy: 4"))
     assert main(["config", "--from-accelerate", hybrid]) == 2
     assert "HYBRID_SHARD" in capsys.readouterr().err
+
+
+def test_docs_list_every_no_effect_setting():
+    from hf_zero.config.sources.accelerate_plugins import NO_EFFECT
+
+    text = (Path(__file__).resolve().parents[2] / "docs" / "accelerate.md").read_text()
+    assert [k for k in NO_EFFECT if f"`{k}`" not in text] == []
