@@ -259,11 +259,16 @@ def _check_model_matches(info: dict[str, Any], module: nn.Module, path: str) -> 
 
 
 # ----------------------------------------------------------------------------------------------- save
-def save_checkpoint(engine: Any, checkpoint_dir: str | os.PathLike, *, extra_state: dict | None = None) -> None:
+def save_checkpoint(
+    engine: Any, checkpoint_dir: str | os.PathLike, *, extra_state: dict | None = None, model_only: bool = False
+) -> None:
     """Save the engine's full training state so a run can resume, on any world size.
 
     Every rank must call it. Writes model, optimizer (sharded as trained), lr scheduler, loss
     scaler, step counters, every rank's RNG states and ``extra_state`` into ``checkpoint_dir``.
+    With ``model_only`` (the Trainer's ``--save_only_model``) it writes the model's weights (fp32
+    masters of trained parameters) and the counters only: ``hf-zero consolidate`` reads it, a
+    resume refuses it.
 
     Args:
         engine: the ``ZeroEngine``.
@@ -300,6 +305,8 @@ def save_checkpoint(engine: Any, checkpoint_dir: str | os.PathLike, *, extra_sta
     try:
         try:
             state = _portable_state(engine, module, saving=True)
+            if model_only:
+                state = {"module": state["module"], "counters": state["counters"]}
         except BaseException as exc:
             error = exc
         agree_on_error(error, "collecting the engine state")
@@ -307,14 +314,15 @@ def save_checkpoint(engine: Any, checkpoint_dir: str | os.PathLike, *, extra_sta
         with _dcp_errors(f"writing {final}"):
             dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp))
         del state
-        try:
-            torch.save(_rng_state(), os.path.join(tmp, RNG_NAME.format(rank=rank)))
-        except BaseException as exc:
-            error = exc
-        agree_on_error(error, "saving RNG states")
+        if not model_only:
+            try:
+                torch.save(_rng_state(), os.path.join(tmp, RNG_NAME.format(rank=rank)))
+            except BaseException as exc:
+                error = exc
+            agree_on_error(error, "saving RNG states")
         if rank == 0:
             try:
-                _finish_save(engine, module, tmp, final, extra_json)
+                _finish_save(engine, module, tmp, final, extra_json, model_only)
             except BaseException as exc:
                 error = exc
         agree_on_error(error, f"finishing {final}")
@@ -356,7 +364,9 @@ def _checkpoint_files(names: list[str]) -> list[str]:
     ]
 
 
-def _finish_save(engine: Any, module: nn.Module, tmp: str, final: str, extra_json: str | None) -> None:
+def _finish_save(
+    engine: Any, module: nn.Module, tmp: str, final: str, extra_json: str | None, model_only: bool = False
+) -> None:
     if extra_json is not None:
         with open(os.path.join(tmp, EXTRA_STATE_NAME), "w", encoding="utf-8") as f:
             f.write(extra_json + "\n")
@@ -364,7 +374,7 @@ def _finish_save(engine: Any, module: nn.Module, tmp: str, final: str, extra_jso
     if adapter_keys is not None:
         module.peft_config[module.active_adapter].save_pretrained(tmp)
     save_model_config(module, tmp, None)
-    info = _marker(engine, module, adapter_keys, has_extra=extra_json is not None)
+    info = _marker(engine, module, adapter_keys, has_extra=extra_json is not None, model_only=model_only)
     _write_marker(os.path.join(tmp, MARKER_NAME), info)
     if os.path.exists(final):
         # The directory exists (a previous save of this step, or the Trainer's files): the new one
@@ -399,7 +409,9 @@ def _write_marker(path: str, info: dict[str, Any]) -> None:
         os.fsync(f.fileno())
 
 
-def _marker(engine: Any, module: nn.Module, adapter_keys: dict[str, str] | None, *, has_extra: bool) -> dict[str, Any]:
+def _marker(
+    engine: Any, module: nn.Module, adapter_keys: dict[str, str] | None, *, has_extra: bool, model_only: bool = False
+) -> dict[str, Any]:
     import hf_zero
 
     config = engine.config
@@ -415,9 +427,10 @@ def _marker(engine: Any, module: nn.Module, adapter_keys: dict[str, str] | None,
         "global_steps": int(engine.global_steps),
         "micro_steps": int(engine.micro_steps),
         "model_class": type(module).__name__.removeprefix("FSDP"),
-        "has_optimizer": engine.optimizer is not None,
+        "has_optimizer": engine.optimizer is not None and not model_only,
+        "model_only": model_only,
         "extra_state": EXTRA_STATE_NAME if has_extra else None,
-        "rng_files": [RNG_NAME.format(rank=r) for r in range(_world())],
+        "rng_files": [] if model_only else [RNG_NAME.format(rank=r) for r in range(_world())],
         "params": _model_entries(module),
         "tied": tied_groups(module),
         "peft_adapter_keys": adapter_keys,
@@ -426,7 +439,7 @@ def _marker(engine: Any, module: nn.Module, adapter_keys: dict[str, str] | None,
 
 
 # ----------------------------------------------------------------------------------------------- load
-def load_checkpoint(engine: Any, checkpoint_dir: str | os.PathLike) -> dict | None:
+def load_checkpoint(engine: Any, checkpoint_dir: str | os.PathLike, *, restore_rng: bool = True) -> dict | None:
     """Restore a checkpoint written by :func:`save_checkpoint` into ``engine``.
 
     Every rank must call it. The world size may differ from the one that saved (DCP reshards the
@@ -437,6 +450,8 @@ def load_checkpoint(engine: Any, checkpoint_dir: str | os.PathLike) -> dict | No
     Args:
         engine: a ``ZeroEngine`` built for the same model (and optimizer/scheduler kinds).
         checkpoint_dir: the directory ``save_checkpoint`` wrote.
+        restore_rng: False to leave the generators alone (loading the best model at the end of a
+            run, as DeepSpeed's ``load_checkpoint`` does).
 
     Returns:
         The ``extra_state`` given to ``save_checkpoint`` (None if none was).
@@ -458,6 +473,12 @@ def load_checkpoint(engine: Any, checkpoint_dir: str | os.PathLike) -> dict | No
         info = read_marker(path)
         _check_model_matches(info, module, path)
         if engine.optimizer is not None and not info.get("has_optimizer", True):
+            if info.get("model_only"):
+                raise CheckpointError(
+                    f"{path} holds the model's weights only (saved with --save_only_model): training cannot "
+                    "resume from it. Turn it into a from_pretrained folder with `hf-zero consolidate`, or "
+                    "save checkpoints without --save_only_model to resume"
+                )
             raise CheckpointError(f"{path} has no optimizer state (saved by an engine without an optimizer)")
         # The metadata is read (and refused, if crafted) here, where every rank hears of a
         # refusal, rather than inside DCP's collectives.
@@ -485,9 +506,9 @@ def load_checkpoint(engine: Any, checkpoint_dir: str | os.PathLike) -> dict | No
     engine.load_state_dict(state)
     del state
 
-    restored = False
+    restored = not restore_rng
     try:
-        restored = load_rng_state(path)
+        restored = restored or load_rng_state(path)
     except BaseException as exc:  # a refused RNG file on one rank: the others must not train on
         error = exc
     agree_on_error(error, f"restoring the RNG states of {path}")

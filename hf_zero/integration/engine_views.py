@@ -44,6 +44,24 @@ class EngineOptimizer:
     def step_was_skipped(self) -> bool:
         return self.engine.last_step_skipped
 
+    # Schedule-free optimizers (``--optim schedule_free_*``) keep two sets of weights and swap
+    # them with ``train()`` / ``eval()``; the Trainer calls them when the optimizer has them, so
+    # the view has them exactly when the optimizer the engine steps does.
+    @property
+    def train(self):
+        return self._mode_switch("train")
+
+    @property
+    def eval(self):
+        return self._mode_switch("eval")
+
+    def _mode_switch(self, name: str):
+        local = self.engine.stage.local_optimizer(self.engine.optimizer)
+        switch = getattr(local, name, None)
+        if not callable(switch):
+            raise AttributeError(f"{type(local).__name__} has no {name}()")
+        return switch
+
 
 class EngineScheduler:
     """What the loop calls ``self.lr_scheduler``: the engine steps the real one inside its update

@@ -65,8 +65,10 @@ class ZeroTrainerMixin(ZeroCheckpointingMixin):
             from hf_zero.config.auto import resolve_auto
 
             resolve_auto(self._zero_config(), training_args=self.args, world_size=self.args.world_size)
-            if self._zero_config().stage >= 1 and getattr(self.args, "fsdp", None):
-                raise ValueError("--fsdp and --zero_config both shard the model; pass only one of them")
+            # Options the engine could not honour, or that the config overrides (integration/option_checks.py).
+            from hf_zero.integration.option_checks import check_trainer_options
+
+            check_trainer_options(self)
             # Reference/reward/teacher models prepared for evaluation (TRL) are placed by hf_zero.
             from hf_zero.integration.frozen_models import route_frozen_models
 
@@ -109,6 +111,10 @@ class ZeroTrainerMixin(ZeroCheckpointingMixin):
         )
         engine = self.zero_engine
         attach_consolidated_state_dict(engine.forward_module, engine)
+        from hf_zero.integration.compiled_model import compile_like_accelerate
+
+        # --torch_compile: the plain Trainer compiles in accelerate's prepare_model, which hf_zero skips.
+        compile_like_accelerate(self.model, self.accelerator.state.dynamo_plugin)
         for listener in ZeroTrainerMixin.engine_listeners:
             listener(self)
         if engine.config.stage >= 2 and hasattr(self.model, "generate") and not getattr(self.model, "_hf_zero_generate", False):
@@ -233,6 +239,8 @@ class ZeroTrainerMixin(ZeroCheckpointingMixin):
             return super().training_step(model, inputs, num_items_in_batch)
         engine = self.zero_engine
         model.train()
+        if hasattr(self.optimizer, "train") and callable(self.optimizer.train):  # schedule-free
+            self.optimizer.train()
         inputs = self._prepare_inputs(inputs)
         # The loop decides where accumulation windows end (also for a short last window).
         engine.set_gradient_accumulation_boundary(self.accelerator.sync_gradients)

@@ -44,8 +44,7 @@ class ZeroCheckpointingMixin:
         engine = self.zero_engine
         if engine is None:
             return super().save_model(output_dir, _internal_call)
-        gather = engine.config.zero_optimization.gather_16bit_weights_on_model_save or engine.config.stage < 3
-        if not gather:
+        if not self._saves_gathered_weights():
             if not _internal_call:
                 self._save_zero_state(output_dir)
             if self.args.should_save:
@@ -74,6 +73,12 @@ class ZeroCheckpointingMixin:
             extra_files=self._write_trainer_files,
             progress=not _internal_call and not self.args.disable_tqdm,
         )
+
+    def _saves_gathered_weights(self) -> bool:
+        """False at stage 3 with ``stage3_gather_16bit_weights_on_model_save: false``: ``save_model``
+        then writes sharded weights (``zero_state/``), not a ``from_pretrained`` folder."""
+        config = self.zero_engine.config
+        return config.stage < 3 or bool(config.zero_optimization.gather_16bit_weights_on_model_save)
 
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
         # Scripts call _save(dir, state_dict=...) themselves (Qwen, Alpaca); sharded values there
@@ -148,7 +153,14 @@ class ZeroCheckpointingMixin:
         agree_on_error(error, f"creating {work_dir}")
 
         self.save_model(work_dir, _internal_call=True)
-        self._save_zero_state(work_dir)
+        if not self.args.save_only_model:
+            self._save_zero_state(work_dir)
+        elif not self._saves_gathered_weights():
+            # --save_only_model at stage 3 without gathered 16-bit weights: the sharded weights
+            # are the model this checkpoint holds (no optimizer state, no RNG).
+            from hf_zero.checkpoint.sharded import save_checkpoint
+
+            save_checkpoint(self.zero_engine, os.path.join(work_dir, ZERO_STATE_DIR), model_only=True)
         _barrier()  # every rank's sharded-state files are on disk before the checkpoint is completed
         error = None
         if self.args.should_save:
@@ -189,7 +201,37 @@ class ZeroCheckpointingMixin:
 
         if not os.path.isdir(resume_from_checkpoint):
             raise FileNotFoundError(f"resume_from_checkpoint: {resume_from_checkpoint} does not exist")
-        read_marker(os.path.join(resume_from_checkpoint, ZERO_STATE_DIR))
+        zero_state = os.path.join(resume_from_checkpoint, ZERO_STATE_DIR)
+        if not os.path.isdir(zero_state) and os.path.isfile(os.path.join(resume_from_checkpoint, TRAINER_STATE_NAME)):
+            # A complete Trainer checkpoint without hf_zero's state: written with --save_only_model
+            # (or by another trainer). The plain Trainer would load the weights and restart the
+            # optimizer and the schedule from zero under the saved step count.
+            raise ValueError(
+                f"resume_from_checkpoint: {resume_from_checkpoint} holds the model's weights but no training "
+                f"state ({ZERO_STATE_DIR}/ is missing: saved with --save_only_model, or not by hf_zero), so "
+                "training cannot resume from it (transformers documents the same for --save_only_model). "
+                "Start a new run from these weights with from_pretrained, or save without --save_only_model"
+            )
+        info = read_marker(zero_state)
+        if info.get("model_only"):
+            raise ValueError(
+                f"resume_from_checkpoint: {resume_from_checkpoint} was saved with --save_only_model: "
+                f"{ZERO_STATE_DIR}/ holds the sharded weights only, no optimizer state, so training cannot "
+                f"resume from it. Turn it into a from_pretrained folder with `hf-zero consolidate "
+                f"{resume_from_checkpoint} OUT_DIR`, or save without --save_only_model"
+            )
+
+    def _load_best_model(self) -> None:
+        """``--load_best_model_at_end``: the engine's state at the best checkpoint (weights, their
+        fp32 masters and the optimizer state, as DeepSpeed's ``load_checkpoint`` restores them);
+        the Trainer's own loader would call ``load_state_dict`` on sharded parameters."""
+        if self.zero_engine is None:
+            return super()._load_best_model()
+        from hf_zero.checkpoint.sharded import load_checkpoint
+
+        best = self.state.best_model_checkpoint
+        logger.info("hf_zero: loading the best model from %s (score: %s)", best, self.state.best_metric)
+        load_checkpoint(self.zero_engine, os.path.join(best, ZERO_STATE_DIR), restore_rng=False)
 
     def _load_zero_checkpoint(self, checkpoint: str) -> None:
         from hf_zero.checkpoint.sharded import load_checkpoint
