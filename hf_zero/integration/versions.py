@@ -213,11 +213,14 @@ REMOVED_NAMES: tuple[RemovedName, ...] = (
 
 
 def _installed_fields() -> frozenset[str]:
-    """The fields of the installed ``TrainingArguments``: on a release older than an entry's
-    ``removed_in`` the name is still its own, and transformers handles it as it always did."""
-    from transformers import TrainingArguments
+    """The fields of the installed transformers' own ``TrainingArguments``: on a release older than
+    an entry's ``removed_in`` the name is still its own, and transformers handles it as it always
+    did. Under ``hf-zero run`` ``transformers.TrainingArguments`` is hf_zero's subclass, whose
+    old-name fields must not count, so the first class defined by transformers in its MRO is read."""
+    import transformers
 
-    return frozenset(f.name for f in dataclasses.fields(TrainingArguments))
+    own = next(c for c in transformers.TrainingArguments.__mro__ if c.__module__.startswith("transformers."))
+    return frozenset(f.name for f in dataclasses.fields(own))
 
 
 def removed_from_installed(entry: RemovedName) -> bool:

@@ -208,3 +208,18 @@ def test_consolidated_16bit_state_dict_on_the_wrapped_model(tmp_path):
     assert set(trainable) == set(expected)  # nothing is frozen in a full fine-tune
     with pytest.raises(ValueError, match="_zero3_consolidated_16bit_state_dict"):
         trainer._save(str(tmp_path / "bad"), state_dict=trainer.model.state_dict())
+
+
+def test_aliases_still_apply_when_transformers_names_hf_zeros_class(tmp_path, monkeypatch):
+    """Under ``hf-zero run`` ``transformers.TrainingArguments`` *is* hf_zero's class, whose fields
+    include the old names it adds back; those must not count as the installed release's own (that
+    dropped ``--warmup_ratio`` silently: the script trained without warmup)."""
+    _needs_removed("warmup_ratio")
+    import transformers.training_args
+
+    # As integration/patch.py swaps it (transformers 5 resolves the top-level name from the module).
+    monkeypatch.setattr(transformers, "TrainingArguments", ZeroTrainingArguments)
+    monkeypatch.setattr(transformers.training_args, "TrainingArguments", ZeroTrainingArguments)
+    got = _parse(tmp_path, "--warmup_ratio", "0.34", "--evaluation_strategy", "steps", "--eval_steps", "5")
+    assert got.warmup_steps == 0.34
+    assert got.eval_strategy == "steps"
