@@ -26,6 +26,7 @@ from hf_zero.distributed.collectives import all_reduce_flag, on_mesh_device
 from hf_zero.distributed.env import DistEnv
 from hf_zero.distributed.teardown import close_at_exit
 from hf_zero.engine.optimizer_recipe import OptimizerRecipe
+from hf_zero.engine.sharded_optimizer import explain_sharded_step
 from hf_zero.engine.stages import Stage, local_tensor, make_stage
 from hf_zero.optim.schedulers import steps_on_metrics
 from hf_zero.precision.policy import PrecisionPolicy
@@ -403,7 +404,8 @@ class ZeroEngine:
                 if self.gradient_clipping > 0:
                     self._clip_grads(self.gradient_clipping, norm)
                 self._window_grad_norm = float(norm)
-            self.optimizer.step()
+            with explain_sharded_step(self.optimizer, self.config.stage):
+                self.optimizer.step()
             if self.lr_scheduler is not None and not steps_on_metrics(self.lr_scheduler):
                 self.lr_scheduler.step()  # a plateau scheduler is stepped with a metric by the caller
         self._last_grad_norm = float("inf") if overflow else self._window_grad_norm

@@ -26,13 +26,45 @@ from hf_zero.config.schema import OptimizerConfig
 __all__ = ["OptimizerRecipe", "constructor_defaults"]
 
 
+_MISSING = object()
+
+
 def constructor_defaults(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """``optimizer.defaults`` restricted to what its class's ``__init__`` accepts, so that
-    ``type(optimizer)(params, **constructor_defaults(optimizer))`` rebuilds it (``defaults`` may
-    hold internal keys such as AdamW's ``decoupled_weight_decay``)."""
+    """The keyword arguments that rebuild ``optimizer``:
+    ``type(optimizer)(params, **constructor_defaults(optimizer))``.
+
+    ``optimizer.defaults`` restricted to what its class's ``__init__`` accepts (``defaults`` may
+    hold internal keys such as AdamW's ``decoupled_weight_decay``), plus the constructor arguments
+    an optimizer keeps outside ``defaults``: as an attribute of the same name (torchao's low-bit
+    AdamW keeps ``block_size``, which transformers sets to 256 against the class's 128) or in a
+    bitsandbytes-style ``args`` namespace (``min_8bit_size``, ``percentile_clipping``). Without
+    them the rebuilt optimizer would silently differ from the user's.
+    """
     accepted = inspect.signature(type(optimizer).__init__).parameters
     takes_kwargs = any(p.kind is p.VAR_KEYWORD for p in accepted.values())
-    return {k: v for k, v in optimizer.defaults.items() if takes_kwargs or (k in accepted and k != "params")}
+    out = {k: v for k, v in optimizer.defaults.items() if takes_kwargs or (k in accepted and k != "params")}
+    namespace = getattr(optimizer, "args", None)
+    for name, parameter in accepted.items():
+        if name in ("self", "params") or name in out or parameter.kind in (parameter.VAR_POSITIONAL, parameter.VAR_KEYWORD):
+            continue
+        value = getattr(optimizer, name, _MISSING)
+        if value is _MISSING and namespace is not None and not isinstance(namespace, (dict, list, tuple)):
+            value = getattr(namespace, name, _MISSING)
+        if value is not _MISSING and not callable(value):
+            out[name] = value
+    return out
+
+
+def _stepped(state: dict[str, Any]) -> bool:
+    """Whether a parameter's optimizer state comes from a step. Some optimizers fill their state
+    at construction (torch's Adagrad: ``step`` 0 and ``sum`` at ``initial_accumulator_value``);
+    that state is rebuilt identically with the optimizer, so it does not count."""
+    if not state:
+        return False
+    step = state.get("step")
+    if step is None:
+        return True
+    return float(step) > 0
 
 
 @dataclass
@@ -68,7 +100,7 @@ class OptimizerRecipe:
             ValueError: the optimizer holds a parameter that is not in ``model``, or already has
                 state (a stepped optimizer cannot be moved onto sharded parameters).
         """
-        if any(len(s) for s in optimizer.state.values()):
+        if any(_stepped(s) for s in optimizer.state.values()):
             raise ValueError(
                 "the optimizer passed to hf_zero.initialize() has already been stepped; pass a fresh "
                 "optimizer (its state is rebuilt on the sharded parameters) or load state afterwards"
