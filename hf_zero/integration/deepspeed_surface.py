@@ -33,8 +33,11 @@ __all__ = [
     "check_whole_state_dict",
 ]
 
-LIBRARY_PACKAGES = frozenset({"transformers", "accelerate", "peft", "trl", "torch", "hf_zero"})
-"""Top-level packages whose code gets the libraries' answers (their DeepSpeed branches stay off)."""
+LIBRARY_PACKAGES = frozenset({"transformers", "accelerate", "peft", "trl", "torch", "hf_zero", "llamafactory"})
+"""Top-level packages whose code gets the libraries' answers (their DeepSpeed branches stay off).
+LLaMA-Factory is one: its DPO/KTO trainers hand the reference model to TRL's ``prepare_deepspeed``
+(``deepspeed.initialize``) when ``self.is_deepspeed_enabled``, else to
+``accelerator.prepare_model(evaluation_mode=True)``, which hf_zero routes to ``prepare_frozen_model``."""
 
 
 def called_from_library(depth: int = 2) -> bool:
