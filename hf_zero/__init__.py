@@ -18,6 +18,7 @@ __all__ = [
     "ZeroConfigError",
     "ZeroEngine",
     "ZeroSeq2SeqTrainer",
+    "ZeroSeq2SeqTrainingArguments",
     "ZeroTrainer",
     "ZeroTrainingArguments",
     "enable_deepspeed_compat",
@@ -43,6 +44,7 @@ _LAZY = {
     "ZeroTrainer": ("hf_zero.integration.trainer", "ZeroTrainer"),
     "ZeroSeq2SeqTrainer": ("hf_zero.integration.trainer", "ZeroSeq2SeqTrainer"),
     "ZeroTrainingArguments": ("hf_zero.integration.arguments", "ZeroTrainingArguments"),
+    "ZeroSeq2SeqTrainingArguments": ("hf_zero.integration.arguments", "ZeroSeq2SeqTrainingArguments"),
 }
 
 if TYPE_CHECKING:
@@ -54,7 +56,7 @@ if TYPE_CHECKING:
     from hf_zero.engine.frozen import prepare_frozen_model
     from hf_zero.engine.initialize import initialize
     from hf_zero.estimator import estimate_memory
-    from hf_zero.integration.arguments import ZeroTrainingArguments
+    from hf_zero.integration.arguments import ZeroSeq2SeqTrainingArguments, ZeroTrainingArguments
     from hf_zero.integration.trainer import ZeroSeq2SeqTrainer, ZeroTrainer
 
 

@@ -72,6 +72,9 @@ def prepare_frozen_model(model: nn.Module, config: Any, training_args: Any = Non
     model.eval()
     if zero.stage >= 2:
         _shard(model, resolved, env, PrecisionPolicy.from_config(resolved))
+        from hf_zero.engine.sharded_access import keep_class_names
+
+        keep_class_names(model)
     else:
         _replicate(model, env)
     setattr(model, FROZEN_ATTR, True)

@@ -9,6 +9,7 @@ from torch import nn
 from hf_zero.config.schema import ZeroConfig
 from hf_zero.distributed.env import init_distributed
 from hf_zero.engine.engine import OptimizerArg, SchedulerArg, ZeroEngine
+from hf_zero.engine.sharded_access import keep_class_names
 
 __all__ = ["initialize"]
 
@@ -69,4 +70,6 @@ def initialize(
             "training_args= (and num_training_steps= for scheduler lengths) to hf_zero.initialize(), "
             "or write the numbers in the config"
         )
-    return ZeroEngine(model, resolved, env, optimizer=optimizer, lr_scheduler=lr_scheduler)
+    engine = ZeroEngine(model, resolved, env, optimizer=optimizer, lr_scheduler=lr_scheduler)
+    keep_class_names(engine.forward_module)  # transformers decides by _get_name() (label smoothing)
+    return engine

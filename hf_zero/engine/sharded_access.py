@@ -11,12 +11,13 @@ full parameters for a block of code.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator
 from typing import Any
 
 from torch import nn
 
-__all__ = ["gathered_parameters", "guard_direct_calls", "ShardedParameterError"]
+__all__ = ["gathered_parameters", "guard_direct_calls", "keep_class_names", "ShardedParameterError"]
 
 
 class ShardedParameterError(RuntimeError):
@@ -83,3 +84,25 @@ def guard_direct_calls(model: nn.Module, stage: int) -> None:
                 )
 
         module.register_forward_pre_hook(check)
+
+
+def _class_name(name: str) -> str:
+    return name
+
+
+def keep_class_names(model: nn.Module) -> None:
+    """Give each module ``fully_shard`` re-classed its own class name back in ``_get_name()``.
+
+    FSDP2 changes the class of every module it wraps to ``FSDP<Name>``. Code that decides by name
+    then takes another branch without a word: the Trainer's label smoothing looks up
+    ``model._get_name()`` among the causal LM classes to shift the labels, and with
+    ``FSDPQwen2ForCausalLM`` it smoothed unshifted labels (a different loss from step 1). The module's
+    ``repr`` reads the same method, so it shows the model's own class again.
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            original = next(c for c in type(module).__mro__[1:] if not issubclass(c, FSDPModule))
+            # a partial of a module-level function, not a lambda: the model stays picklable
+            module._get_name = functools.partial(_class_name, original.__name__)

@@ -56,11 +56,29 @@ class EngineOptimizer:
         return self._mode_switch("eval")
 
     def _mode_switch(self, name: str):
-        local = self.engine.stage.local_optimizer(self.engine.optimizer)
+        outer = self.engine.optimizer
+        local = self.engine.stage.local_optimizer(outer)
         switch = getattr(local, name, None)
         if not callable(switch):
             raise AttributeError(f"{type(local).__name__} has no {name}()")
-        return switch
+        if local is outer:
+            return switch
+
+        def switch_partitioned(*args, **kwargs):
+            # Stage 1: ZeroRedundancyOptimizer copies its own groups' settings onto the local
+            # optimizer before each step, which would undo the mode flag the switch sets there
+            # ("not in train mode"), and each rank switches only the parameters it owns.
+            before = [dict(group) for group in local.param_groups]
+            result = switch(*args, **kwargs)
+            for outer_group, local_group, old in zip(outer.param_groups, local.param_groups, before):
+                # only what the switch changed: the scheduler may have set a newer lr on the outer groups
+                outer_group.update({k: v for k, v in local_group.items() if k != "params" and old.get(k) is not v})
+            sync = getattr(outer, "_sync_params", None)
+            if callable(sync):
+                sync()  # every rank gets the switched weights of the others, as after a step
+            return result
+
+        return switch_partitioned
 
 
 class EngineScheduler:

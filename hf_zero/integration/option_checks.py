@@ -13,6 +13,9 @@ use instead; one the zero config overrides (as under DeepSpeed) is logged once.
 - ``--optim lomo|adalomo`` and the ``*_layerwise`` optimizers update the weights inside the
   backward pass, from per-parameter hooks; hf_zero's engine updates after the gradients of all
   ranks are reduced, so they cannot run under it.
+- ``--optim grokadamw`` at stage 1 or with an offloaded optimizer: GrokAdamW's per-parameter beta
+  depends on the parameter's position in its group, and there each rank steps a reordered subset of
+  every group, so the updates would silently differ from the plain run.
 - ``--save_only_model`` with ``--load_best_model_at_end``: the best checkpoint would have no
   resumable state to load back (refused by transformers for DeepSpeed and FSDP alike).
 """
@@ -23,7 +26,7 @@ import dataclasses
 import logging
 from typing import Any
 
-__all__ = ["check_trainer_options"]
+__all__ = ["check_trainer_options", "check_sharding_flags"]
 
 logger = logging.getLogger("hf_zero")
 
@@ -41,6 +44,18 @@ def _value(option: Any) -> str:
     return str(getattr(option, "value", option))
 
 
+def check_sharding_flags(args: Any) -> None:
+    """Raise ``ValueError`` when ``--fsdp`` is set beside a zero config. Called before the
+    Trainer's own ``__init__`` too, whose FSDP checks would otherwise answer first with a message
+    about FSDP alone."""
+    config = getattr(args, "parsed_zero_config", None)
+    if config is not None and getattr(args, "fsdp", None):
+        raise ValueError(
+            f"--fsdp and --zero_config both set how the model is sharded (the zero config {config.source} "
+            f"is stage {config.stage}); pass only one of them (stages 2/3 are FSDP2 fully_shard already)"
+        )
+
+
 def check_trainer_options(trainer: Any) -> None:
     """Raise ``ValueError`` for a Trainer option that hf_zero would silently not honour under the
     trainer's zero config; log the options the config overrides.
@@ -54,11 +69,7 @@ def check_trainer_options(trainer: Any) -> None:
     args = trainer.args
     config = args.parsed_zero_config
     where = f"the zero config {config.source}"
-    if getattr(args, "fsdp", None):
-        raise ValueError(
-            f"--fsdp and --zero_config both set how the model is sharded ({where} is stage "
-            f"{config.stage}); pass only one of them (stages 2/3 are FSDP2 fully_shard already)"
-        )
+    check_sharding_flags(args)
     if config.optimizer is not None:
         if trainer.optimizer is not None:
             raise ValueError(
@@ -99,6 +110,14 @@ def check_trainer_options(trainer: Any) -> None:
             "them after the gradients of all ranks are reduced (and sharded), so it cannot run this "
             f"optimizer. Use {optim.removesuffix('_layerwise') if optim.endswith('_layerwise') else 'adamw_torch'} "
             "or an \"optimizer\" section, with offload_optimizer for memory"
+        )
+    offloaded = config.zero_optimization.offload_optimizer.device != "none"
+    if config.optimizer is None and optim == "grokadamw" and (config.stage == 1 or offloaded):
+        raise ValueError(
+            f"--optim grokadamw at ZeRO stage {config.stage}{' with offload_optimizer' if offloaded else ''}: "
+            "GrokAdamW scales each parameter's beta1 by its position in the group, and here each rank "
+            "steps a reordered subset of the group, so the updates would differ from the plain run. Use "
+            "stage 0, 2 or 3 without offload_optimizer (the same updates as without hf_zero)"
         )
     if args.save_only_model and args.load_best_model_at_end:
         raise ValueError(

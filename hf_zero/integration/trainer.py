@@ -57,6 +57,9 @@ class ZeroTrainerMixin(ZeroCheckpointingMixin):
                 raise ValueError("Trainer got both tokenizer= and processing_class=; pass processing_class only")
             if tokenizer is not None:
                 kwargs["processing_class"] = tokenizer
+        from hf_zero.integration.option_checks import check_sharding_flags
+
+        check_sharding_flags(kwargs.get("args", args[1] if len(args) > 1 else None))
         super().__init__(*args, **kwargs)
         if self.zero_enabled:
             # Check the config against the arguments now, before any model is sharded or loaded
