@@ -8,12 +8,13 @@ actually set end up in ``ZeroConfig.no_effect_keys`` and are reported once at st
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from hf_zero.config.schema import ZeroConfig
 
-__all__ = ["NO_EFFECT_KEYS", "describe_no_effect"]
+__all__ = ["NO_EFFECT_KEYS", "STAGE_NO_EFFECT", "describe_no_effect", "stage_no_effect_keys"]
 
 NO_EFFECT_KEYS: dict[str, str] = {
     # top level
@@ -56,8 +57,6 @@ NO_EFFECT_KEYS: dict[str, str] = {
     "wandb": "use the Trainer's --report_to wandb",
     "csv_monitor": "use the Trainer's --report_to (CSV logs are not written by hf_zero)",
     "activation_checkpointing": "use the Trainer's --gradient_checkpointing",
-    "prescale_gradients": "hf_zero's reductions average over ranks as DDP and FSDP2 do; they take no pre-division factor",
-    "gradient_predivide_factor": "hf_zero's reductions average over ranks as DDP and FSDP2 do; they take no pre-division factor",
     "log_level": "hf_zero logs through the Python logger \"hf_zero\"; set its level with logging.getLogger(\"hf_zero\").setLevel(...)",
     "disable_python_gc": "hf_zero leaves Python's garbage collector alone",
     "datastates_ckpt": "checkpoints are written with torch.distributed.checkpoint (no DataStates engine)",
@@ -94,14 +93,12 @@ NO_EFFECT_KEYS: dict[str, str] = {
     "scheduler.params.last_batch_iteration": "resuming restores the scheduler state from the checkpoint",
     # aio (NVMe)
     "aio.use_gds": "no GPUDirect Storage; NVMe swaps go through pinned host memory",
-    # zero_optimization: knobs DeepSpeed's bucketing and fetching read. hf_zero parses them (they are
-    # checked, "auto" is filled) and reports them: FSDP2 and DDP have no equivalent setting.
-    "zero_optimization.overlap_comm": "gradient reduction always overlaps the backward (DDP buckets; FSDP2 reduce-scatters each block on its own stream)",
-    "zero_optimization.allgather_bucket_size": "FSDP2 all-gathers one transformer block at a time, whatever the bucket size",
-    "zero_optimization.stage3_prefetch_bucket_size": "FSDP2 prefetches the next block's all-gather (one block ahead), whatever the bucket size",
-    "zero_optimization.stage3_param_persistence_threshold": "FSDP2 shards every parameter of a block; only the root (embeddings, norms) stays gathered between forward and backward",
-    "zero_optimization.stage3_max_live_parameters": "FSDP2 keeps at most the current and the prefetched block gathered",
-    "zero_optimization.stage3_max_reuse_distance": "FSDP2 frees each block after its forward (stage 3) and gathers it again for backward",
+    # zero_optimization: knobs DeepSpeed's bucketing and fetching read that FSDP2 and DDP have no
+    # setting for. hf_zero parses them (they are checked, "auto" is filled) and reports them. The
+    # prefetch, persistence and live-parameter knobs are FSDP2 settings (engine/fsdp_knobs.py).
+    "zero_optimization.overlap_comm": "gradient reduction always overlaps the backward (DDP buckets; FSDP2 reduce-scatters each block on its own stream); there is nothing to switch",
+    "zero_optimization.allgather_bucket_size": "FSDP2 all-gathers each unit (a transformer block, or the root) in one collective; it has no bucket size",
+    "zero_optimization.stage3_max_reuse_distance": "FSDP2 decides per block, when the model is sharded, whether a block is freed after its forward; DeepSpeed's rule (keep a parameter whose next use is within this many elements) would, with its 1e9 default, keep every block of a model under ~0.5B parameters gathered, i.e. turn stage 3 into stage 2. Stage 3 frees every block; stage3_param_persistence_threshold keeps small blocks gathered",
     "zero_optimization.compute_grad_norm": "the global gradient norm is always computed (the Trainer logs it)",
     "zero_optimization.stage3_allgather_sequential": "FSDP2 issues one all-gather per block",
     "zero_optimization.allgather_sequential": "FSDP2 issues one all-gather per block",
@@ -146,6 +143,44 @@ NO_EFFECT_KEYS: dict[str, str] = {
 }
 
 
+_ALWAYS = object()
+
+STAGE_NO_EFFECT: dict[str, tuple[str, frozenset[int], str, object]] = {
+    # DeepSpeed key: (field path in ZeroConfig.explicit_keys, stages where it changes nothing, why,
+    # a value not worth reporting there because it asks for what happens anyway). Elsewhere the key
+    # is an FSDP2 setting (engine/fsdp_knobs.py; docs/config_reference.md).
+    "zero_optimization.stage3_prefetch_bucket_size": (
+        "zero_optimization.prefetch_bucket_size", frozenset({0, 1, 2}),
+        "only stage 3 gathers parameters per block (as in DeepSpeed, stage3_* keys apply at stage 3)", _ALWAYS),
+    "zero_optimization.stage3_param_persistence_threshold": (
+        "zero_optimization.param_persistence_threshold", frozenset({0, 1, 2}),
+        "only stage 3 frees blocks after their forward (as in DeepSpeed, stage3_* keys apply at stage 3)", _ALWAYS),
+    "zero_optimization.stage3_max_live_parameters": (
+        "zero_optimization.max_live_parameters", frozenset({0, 1, 2}),
+        "only stage 3 gathers parameters per block (as in DeepSpeed, stage3_* keys apply at stage 3)", _ALWAYS),
+    "prescale_gradients": (
+        "prescale_gradients", frozenset({0, 1}),
+        "at stages 0/1 DDP divides every gradient bucket by the world size before its all-reduce (what "
+        "prescale_gradients=true asks for) and takes no other factor; stages 2/3 apply it", False),
+    "gradient_predivide_factor": (
+        "gradient_predivide_factor", frozenset({0, 1}),
+        "at stages 0/1 DDP divides every gradient bucket by the world size before its all-reduce and takes "
+        "no other factor; stages 2/3 apply it", 1.0),
+}
+"""Keys that act at some ZeRO stages only; set at another stage they are reported like the table
+above (:func:`stage_no_effect_keys`)."""
+
+
+def stage_no_effect_keys(stage: int, explicit: Mapping[str, Any]) -> list[str]:
+    """The keys of :data:`STAGE_NO_EFFECT` that the config sets (``explicit``: field path ->
+    value) and that change nothing at ``stage``."""
+    out = []
+    for key, (path, stages, _, quiet) in STAGE_NO_EFFECT.items():
+        if stage in stages and path in explicit and (quiet is _ALWAYS or explicit[path] != quiet):
+            out.append(key)
+    return out
+
+
 def describe_no_effect(cfg: ZeroConfig) -> list[str]:
     """One line per accepted key that changes nothing in hf_zero, for the engine to log once.
 
@@ -156,7 +191,11 @@ def describe_no_effect(cfg: ZeroConfig) -> list[str]:
         Lines such as ``"zero_optimization.round_robin_gradients: no effect in hf_zero (DeepSpeed
         stage 1/2 CPU-offload copy detail)"``, in the order the keys appeared.
     """
-    return [
-        f"{key}: no effect in hf_zero ({NO_EFFECT_KEYS.get(key, 'accepted for compatibility')})"
-        for key in cfg.no_effect_keys
-    ]
+    def why(key: str) -> str:
+        if key in NO_EFFECT_KEYS:
+            return NO_EFFECT_KEYS[key]
+        if key in STAGE_NO_EFFECT:
+            return f"at stage {cfg.stage}: {STAGE_NO_EFFECT[key][2]}"
+        return "accepted for compatibility"
+
+    return [f"{key}: no effect in hf_zero ({why(key)})" for key in cfg.no_effect_keys]

@@ -18,6 +18,7 @@ and DeepSpeed's docs disagree.
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import warnings
 from typing import Any, Mapping
@@ -52,7 +53,7 @@ from hf_zero.config.fields import (  # noqa: F401 - the tables are part of this 
     Fields,
     _children,
 )
-from hf_zero.config.no_effect import NO_EFFECT_KEYS, describe_no_effect
+from hf_zero.config.no_effect import NO_EFFECT_KEYS, describe_no_effect, stage_no_effect_keys
 from hf_zero.config.refused import UNSUPPORTED, UNSUPPORTED_OPTIMIZERS, UNSUPPORTED_WITH_OPTIMIZER, _always  # noqa: F401
 from hf_zero.config.schema import AUTO, ZeroConfig  # noqa: F401
 from hf_zero.config.sources import ConfigSource, deep_merge, load_raw
@@ -216,6 +217,11 @@ class _Parser:
         if fp16.get("enabled") is True and bf16.get("enabled") is True:
             self.problem("bf16.enabled", True, "conflicts with fp16.enabled=true (both enabled)",
                          "enable only one of fp16 and bf16 (or set both to \"auto\")")
+
+        values = {**top, **{f"zero_optimization.{f.name}": getattr(zero, f.name) for f in dataclasses.fields(zero)}}
+        written = {path: values.get(path) for path in self.explicit if path in values}
+        for key in stage_no_effect_keys(zero.stage, written):
+            self.note_no_effect(key)  # e.g. stage3_* keys below stage 3
 
         if self.problems:
             raise ZeroConfigError(self.problems)

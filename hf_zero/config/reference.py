@@ -6,7 +6,7 @@ page against :func:`render_blocks`, so the docs cannot drift from what the parse
 
 from __future__ import annotations
 
-from hf_zero.config.no_effect import NO_EFFECT_KEYS
+from hf_zero.config.no_effect import NO_EFFECT_KEYS, STAGE_NO_EFFECT
 from hf_zero.config.refused import UNSUPPORTED
 from hf_zero.utils.doc_blocks import replace_generated_blocks
 
@@ -19,13 +19,17 @@ def _cell(text: str) -> str:
 
 
 def render_blocks() -> dict[str, str]:
-    """``{block name: markdown}`` for the ``no_effect`` and ``refused`` tables."""
+    """``{block name: markdown}`` for the ``no_effect``, ``stage_no_effect`` and ``refused`` tables."""
     no_effect = ["| key | why it changes nothing |", "| --- | --- |"]
     no_effect += [f"| `{key}` | {_cell(why)} |" for key, why in NO_EFFECT_KEYS.items()]
+    by_stage = ["| key | no effect at stages | why |", "| --- | --- | --- |"]
+    by_stage += [f"| `{key}` | {', '.join(map(str, sorted(stages)))} | {_cell(why)} |"
+                 for key, (_, stages, why, _) in STAGE_NO_EFFECT.items()]
     refused = ["| key | rejected when | what to do |", "| --- | --- | --- |"]
     for key, (predicate, fix) in UNSUPPORTED.items():
         refused.append(f"| `{key}` | {getattr(predicate, 'when', 'see the code')} | {_cell(fix)} |")
-    return {"no_effect": "\n".join(no_effect) + "\n", "refused": "\n".join(refused) + "\n"}
+    return {"no_effect": "\n".join(no_effect) + "\n", "stage_no_effect": "\n".join(by_stage) + "\n",
+            "refused": "\n".join(refused) + "\n"}
 
 
 def update_page(text: str) -> str:

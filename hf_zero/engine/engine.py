@@ -27,6 +27,7 @@ from hf_zero.distributed.env import DistEnv
 from hf_zero.distributed.teardown import close_at_exit
 from hf_zero.engine.optimizer_recipe import OptimizerRecipe
 from hf_zero.engine.sharded_optimizer import explain_sharded_step
+from hf_zero.engine.fsdp_knobs import StageKnobs
 from hf_zero.engine.stages import Stage, local_tensor, make_stage
 from hf_zero.optim.schedulers import steps_on_metrics
 from hf_zero.precision.policy import PrecisionPolicy
@@ -78,7 +79,8 @@ class ZeroEngine:
 
         self.offload = make_offload_manager(config, env, self.precision)
         try:
-            self.stage: Stage = make_stage(config.zero_optimization, env, self.precision, offload=self.offload)
+            self.stage: Stage = make_stage(config.zero_optimization, env, self.precision, offload=self.offload,
+                                           knobs=StageKnobs.from_config(config, env.world_size))
             self._forward_module = self.stage.wrap(model)
             self.optimizer = self.stage.build_optimizer(recipe, model) if recipe else None
         except BaseException:

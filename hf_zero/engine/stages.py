@@ -27,6 +27,13 @@ from torch.distributed.tensor import DTensor
 
 from hf_zero.config.schema import ZeroOptimizationConfig
 from hf_zero.distributed.env import DistEnv
+from hf_zero.engine.fsdp_knobs import (
+    StageKnobs,
+    apply_gradient_division,
+    apply_prefetch,
+    persistent_units,
+    plan_prefetch,
+)
 from hf_zero.engine.optimizer_recipe import OptimizerRecipe, constructor_defaults
 from hf_zero.engine.wrap_policy import find_wrap_units
 from hf_zero.engine.sharded_access import guard_direct_calls
@@ -188,6 +195,7 @@ class FullyShardedStage:
         env: DistEnv,
         precision: PrecisionPolicy,
         offload: OffloadManager | None = None,
+        knobs: StageKnobs | None = None,
     ):
         if stage not in (2, 3):
             raise ValueError(f"FullyShardedStage handles stages 2 and 3, not {stage}")
@@ -196,6 +204,8 @@ class FullyShardedStage:
         self.env = env
         self.precision = precision
         self.offload = offload
+        self.knobs = knobs or StageKnobs()
+        """DeepSpeed's prefetch/persistence/division knobs as FSDP2 settings (``fsdp_knobs.py``)."""
         self.units: list[nn.Module] = []
         self.root: nn.Module | None = None
         self.fsdp_extra: dict[str, Any] = {}
@@ -266,18 +276,47 @@ class FullyShardedStage:
         if self.offload is not None:
             kwargs.update(self.offload.prepare_fsdp(model, self.units))
         kwargs.update(self.fsdp_extra)
+        # stage3_param_persistence_threshold: units whose parameters are all small stay gathered
+        # from forward to backward (fsdp_knobs.py says why per unit, not per parameter).
+        threshold = self.knobs.persistence_threshold
+        persistent = {id(u) for u in persistent_units(self.units, threshold)} if threshold is not None else set()
         # Every rank's shards come from rank 0: ranks that loaded on the meta device (low-memory
         # loading) and ranks that built other weights (per-process seeds) start where rank 0 does.
         with sharded_from_rank0(model, mesh, sync_all=True):
             for unit in self.units:
-                fully_shard(unit, **kwargs)
+                fully_shard(unit, **{**kwargs, "reshard_after_forward": False} if id(unit) in persistent else kwargs)
             fully_shard(model, **kwargs)
         self.root = model
+        self._apply_knobs(model, persistent)
         if self.offload is not None:
             self.offload.after_fsdp(model, self.units)
         guard_direct_calls(model, self.stage)  # a submodule called outside forward: say what to do
         setattr(model, _LAYOUT_ATTR, self._layout())
         return model
+
+    def _apply_knobs(self, model: nn.Module, persistent: set[int]) -> None:
+        """Prefetch depth per unit and DeepSpeed's gradient division, on the sharded modules."""
+        knobs = self.knobs
+        position = {id(m): i for i, m in enumerate(model.modules())}
+        in_forward_order = sorted(self.units, key=lambda u: position[id(u)])
+        plan = None
+        if knobs.prefetch_bucket is not None or knobs.max_live is not None:
+            plan = plan_prefetch(in_forward_order, knobs.prefetch_bucket, knobs.max_live)
+            if plan is not None:
+                apply_prefetch(in_forward_order, plan)
+        if knobs.division is not None:
+            apply_gradient_division([*self.units, model], knobs.division)
+        if self.env.is_main and (plan is not None or persistent or knobs.division is not None):
+            parts = []
+            if plan is not None:
+                parts.append(f"prefetch depth per block forward {list(plan.forward)}, backward {list(plan.backward)}")
+            if persistent:
+                parts.append(f"{len(persistent)} of {len(self.units)} blocks kept gathered from forward to backward "
+                             "(all their parameters below stage3_param_persistence_threshold)")
+            if knobs.division is not None:
+                parts.append(f"gradients divided by {knobs.division.pre:g} before the reduction, "
+                             f"multiplied by {knobs.division.post:g} after")
+            logger.info("hf_zero: %s", "; ".join(parts))
 
     def build_optimizer(self, recipe: OptimizerRecipe, model: nn.Module) -> torch.optim.Optimizer:
         if self.offload is not None:
@@ -303,11 +342,16 @@ def _log_cast(cast: MasterCast, env: DistEnv) -> None:
 
 
 def make_stage(
-    zero: ZeroOptimizationConfig, env: DistEnv, precision: PrecisionPolicy, offload: OffloadManager | None = None
+    zero: ZeroOptimizationConfig,
+    env: DistEnv,
+    precision: PrecisionPolicy,
+    offload: OffloadManager | None = None,
+    knobs: StageKnobs | None = None,
 ) -> Stage:
-    """The :class:`Stage` for ``zero.stage``; ``offload`` plugs in the offload backends."""
+    """The :class:`Stage` for ``zero.stage``; ``offload`` plugs in the offload backends, ``knobs``
+    the FSDP2 settings of DeepSpeed's tuning keys (stages 2/3; :meth:`StageKnobs.from_config`)."""
     if zero.stage in (0, 1):
         return ReplicatedStage(zero.stage, zero, env, precision, offload)
     if zero.stage in (2, 3):
-        return FullyShardedStage(zero.stage, zero, env, precision, offload)
+        return FullyShardedStage(zero.stage, zero, env, precision, offload, knobs)
     raise ValueError(f"zero_optimization.stage must be 0, 1, 2 or 3, got {zero.stage!r}")

@@ -111,13 +111,19 @@ def test_refused_values_name_the_alternative(raw, fix):
     assert "is not supported by hf_zero" in str(err.value) and fix in str(err.value)
 
 
-@pytest.mark.parametrize("key", ["overlap_comm", "allgather_bucket_size", "stage3_prefetch_bucket_size",
-                                 "stage3_param_persistence_threshold", "stage3_max_live_parameters",
-                                 "stage3_max_reuse_distance"])
+@pytest.mark.parametrize("key", ["overlap_comm", "allgather_bucket_size", "stage3_max_reuse_distance"])
 def test_knobs_fsdp2_has_no_equivalent_for_are_reported(key):
     value = True if key == "overlap_comm" else 1000
     cfg = parse_config({"zero_optimization": {"stage": 3, key: value}})
     assert f"zero_optimization.{key}" in cfg.no_effect_keys
+
+
+@pytest.mark.parametrize("key", ["stage3_prefetch_bucket_size", "stage3_param_persistence_threshold",
+                                 "stage3_max_live_parameters"])
+def test_stage3_knobs_are_fsdp2_settings_at_stage_3_only(key):
+    # tests/unit/test_fsdp_knobs.py checks what they become on the FSDP2 modules.
+    assert parse_config({"zero_optimization": {"stage": 3, key: 1000}}).no_effect_keys == ()
+    assert f"zero_optimization.{key}" in parse_config({"zero_optimization": {"stage": 2, key: 1000}}).no_effect_keys
 
 
 def test_reduction_knobs_are_reported():
