@@ -52,7 +52,7 @@ def make_trainer(tmp_path, stage, *, model=None, seq2seq=False, zero=None, train
     options.update(arguments)
     trainer_kwargs = dict(trainer_kwargs or {})
     trainer_kwargs.setdefault("train_dataset", token_dataset())
-    if model is None:
+    if model is None and "model_init" not in trainer_kwargs:
         model = AutoModelForCausalLM.from_pretrained(TINY)
     if stage is None:
         args_cls, trainer_cls = (Seq2SeqTrainingArguments, Seq2SeqTrainer) if seq2seq else (TrainingArguments, Trainer)
@@ -314,6 +314,9 @@ def test_evaluate_before_training_metrics_and_predict(tmp_path, stage):
     assert history(zero, "eval_accuracy") == history(reference, "eval_accuracy")
     torch.testing.assert_close(torch.as_tensor(pred.predictions), torch.as_tensor(ref_pred.predictions), rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(pred.metrics["test_loss"], ref_pred.metrics["test_loss"], rtol=2e-5, atol=0)
+    # the same metric names (an extra one changes transformers' default hyperparameter-search objective)
+    assert set(zero.evaluate()) == set(reference.evaluate())
+    assert set(pred.metrics) == set(ref_pred.metrics)
 
 
 def _tiny_t5():
@@ -462,3 +465,23 @@ def test_callback_events_in_the_plain_trainers_order(tmp_path, stage):
         recorders.append(recorder.events)
     assert ("on_optimizer_step", 1) in recorders[0] and ("on_save", 2) in recorders[0]
     assert recorders[1] == recorders[0]
+
+
+# ----------------------------------------------------------------------------------- hyperparameter search
+@pytest.mark.parametrize("stage", [0, 3])
+def test_hyperparameter_search_with_optuna(tmp_path, stage):
+    optuna = pytest.importorskip("optuna")
+    results = []
+    for s in (None, stage):
+        trainer = make_trainer(tmp_path, s, model=None, eval_strategy="no",
+                               trainer_kwargs={"eval_dataset": token_dataset(n=4, seed=2),
+                                               "model_init": lambda trial=None: AutoModelForCausalLM.from_pretrained(TINY)})
+        best = trainer.hyperparameter_search(
+            direction="minimize", backend="optuna", n_trials=3,
+            hp_space=lambda trial: {"learning_rate": trial.suggest_float("learning_rate", 1e-4, 1e-2, log=True)},
+            sampler=optuna.samplers.RandomSampler(seed=0),
+        )
+        results.append(best)
+    reference, zero = results
+    assert zero.hyperparameters == reference.hyperparameters
+    assert zero.objective == pytest.approx(reference.objective, rel=2e-5)

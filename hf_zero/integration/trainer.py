@@ -206,6 +206,11 @@ class ZeroTrainerMixin(ZeroCheckpointingMixin):
         self._created_lr_scheduler = False
         model = engine.forward_module
         self.model_wrapped = model
+        if not any(m is model for m in self.accelerator._models):
+            # What the plain Trainer's accelerator.prepare records: the evaluation loop then sees a
+            # prepared model and adds no "eval_model_preparation_time" metric, which transformers'
+            # default hyperparameter-search objective would otherwise add to the eval loss.
+            self.accelerator._models.append(model)
         # DeepSpeed scripts test ``trainer.deepspeed`` (LLaVA's save) and call methods on it; the
         # Trainer's own reads of it sit behind is_deepspeed_enabled, which stays false for it.
         self.deepspeed = model
