@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 
 __all__ = ["Lion"]
 
@@ -101,7 +102,13 @@ class Lion(torch.optim.Optimizer):
             # c = beta1*m + (1-beta1)*g, in the kernel's order of operations.
             update = torch._foreach_mul(exp_avgs, beta1)
             torch._foreach_add_(update, grads, alpha=1.0 - beta1)
-            torch._foreach_sign_(update)
+            if any(isinstance(u, DTensor) for u in update):
+                # Stage 2/3 shards: torch 2.11 and older have no DTensor rule for _foreach_sign_
+                # ("found no DeviceMesh from dtensor args"); the pointwise sign_ has one everywhere.
+                for u in update:
+                    u.sign_()
+            else:
+                torch._foreach_sign_(update)
             if wd != 0.0:
                 torch._foreach_mul_(params, 1.0 - lr * wd)
             torch._foreach_add_(params, update, alpha=-lr)

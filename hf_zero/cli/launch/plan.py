@@ -86,10 +86,13 @@ def plan_request(request: LaunchRequest, *, gpu_names: Sequence[str] = (), p2p_o
     args = render_options(options)
     parsed = parse_torchrun_args([*args, request.script])  # typed and checked by torch, as torchrun will
     _, max_nodes = nnodes_range(parsed.nnodes)
+    # Whether a port was asked for, not parsed.master_port: torch 2.11 and older default it to
+    # 29500 (two runs on one machine then collide), 2.13 to None.
+    port_given = "master_port" in options or bool(env.get("PET_MASTER_PORT"))
     if (not parsed.standalone and parsed.rdzv_backend == "static" and not parsed.rdzv_endpoint
-            and parsed.master_port is None and max_nodes == 1):
-        # torchrun itself turns this case into a c10d rendezvous on a free local port (run());
-        # saying --standalone makes the logged command show it.
+            and not port_given and max_nodes == 1):
+        # torchrun 2.13 itself turns this case into a c10d rendezvous on a free local port
+        # (run()); saying --standalone does it on every torch, and the logged command shows it.
         args.append("--standalone")
     nproc = local_world_size(parsed.nproc_per_node, len(gpu_names), _cores())
     if gpu_names and nproc > len(gpu_names):
