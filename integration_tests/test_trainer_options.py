@@ -121,6 +121,15 @@ def test_scheduler_types(tmp_path, name):
     assert len(set(history(reference, "learning_rate"))) > 1 or name == "constant"
 
 
+def test_greedy_scheduler_steps_on_the_eval_metric(tmp_path):
+    """``greedy`` (transformers' GreedyLR) takes the eval loss, like plateau: the loop steps it."""
+    reference = assert_stages_train_like_the_plain_trainer(
+        tmp_path, [0, 1, 3], lr_scheduler_type="greedy", max_steps=5, eval_strategy="steps", eval_steps=1,
+        lr_scheduler_kwargs={"patience": 0, "factor": 0.5, "min_lr": 1e-5, "max_lr": 1e-2, "threshold": 1e-4},
+        trainer_kwargs={"eval_dataset": token_dataset(n=4, seed=2)})
+    assert len(set(history(reference, "learning_rate"))) > 1
+
+
 # ----------------------------------------------------------------------------------- optimizers
 # --optim values that run here with what the test environment installs; each must give the plain
 # Trainer's losses at every stage where it can run. The extras are skipped where not installed.
@@ -173,12 +182,10 @@ def test_grokadamw_and_its_refusal_where_each_rank_steps_a_reordered_subset(tmp_
             "stage": stage, "offload_optimizer": {"device": "cpu"}}})
 
 
-@pytest.mark.parametrize("stage", [0, 1])
-def test_galore_with_target_modules(tmp_path, stage):
+def test_galore_with_target_modules(tmp_path):
     _needs("galore_torch")
-    reference, zero = _reference_and(tmp_path, stage, optim="galore_adamw", optim_target_modules=["q_proj", "v_proj"],
-                                     optim_args="rank=4, update_proj_gap=2, scale=0.25")
-    assert_same_training(zero, reference)
+    assert_stages_train_like_the_plain_trainer(tmp_path, STAGES, optim="galore_adamw", optim_target_modules=["q_proj", "v_proj"],
+                                               optim_args="rank=4, update_proj_gap=2, scale=0.25")
 
 
 @pytest.mark.parametrize("optim", ["lomo", "adalomo", "galore_adamw_layerwise"])
@@ -278,6 +285,14 @@ def test_bf16(tmp_path, stage):
     # Mixed precision: the plain Trainer autocasts fp32 weights; hf_zero computes in bf16 with fp32
     # masters (as DeepSpeed); the same run to bf16 accuracy.
     assert_same_training(zero, reference, rtol=1e-2)
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_fp16(tmp_path, stage):
+    reference, zero = _reference_and(tmp_path, stage, fp16=True)
+    # the plain Trainer autocasts to fp16 with a grad scaler; hf_zero computes in fp16 with fp32
+    # masters and its dynamic loss scale (DeepSpeed's fp16 section defaults)
+    assert_same_training(zero, reference, rtol=1e-3)
 
 
 @pytest.mark.parametrize("stage", [0, 3])
