@@ -163,6 +163,52 @@ def _gather_one(value: torch.Tensor, dtype: torch.dtype | None, keep: bool) -> t
     return _cpu_copy(full, local)
 
 
+class _Masters:
+    """The fp32 masters of an offloaded optimizer (``OffloadManager.fp32_masters``), for an fp32
+    export: with ``offload_optimizer`` the model holds 16-bit copies, and casting those up would
+    export 16-bit values in fp32 clothing."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor], owners: dict[str, int] | None):
+        self.tensors = tensors
+        self.owners = owners
+
+    def covers(self, name: str) -> bool:
+        """Whether ``name`` has a master (the same answer on every rank: it decides collectives)."""
+        return name in self.owners if self.owners is not None else name in self.tensors
+
+    def gather(self, name: str, like: torch.Tensor, keep: bool) -> torch.Tensor | None:
+        """The full fp32 master of ``name``; every rank must call it (a collective)."""
+        if self.owners is None:  # stages 2/3: this rank's shard, as a DTensor like the parameter
+            return _gather_one(self.tensors[name], torch.float32, keep)
+        # Stages 0/1: the owner holds the whole master; it is sent to the others.
+        owner = self.owners[name]
+        if _rank() == owner:
+            full = self.tensors[name].detach().to(like.device, torch.float32, copy=True)
+        else:
+            full = torch.empty(like.shape, dtype=torch.float32, device=like.device)
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            dist.broadcast(full, src=owner)
+        return _cpu_copy(full, like) if keep else None
+
+
+def _offload_masters(model: Any, dtype: torch.dtype | None) -> _Masters | None:
+    """The masters to export for an fp32 export of an engine whose optimizer is offloaded."""
+    if dtype != torch.float32 or isinstance(model, nn.Module):
+        return None
+    offload = getattr(model, "offload", None)
+    if offload is None or not callable(getattr(offload, "fp32_masters", None)):
+        return None
+    tensors, owners = offload.fp32_masters()
+    return _Masters(tensors, owners) if tensors or owners else None
+
+
+def _gather_value(name: str, value: torch.Tensor, dtype: torch.dtype | None, keep: bool,
+                  masters: _Masters | None) -> torch.Tensor | None:
+    if masters is not None and masters.covers(name):
+        return masters.gather(name, value, keep)
+    return _gather_one(value, dtype, keep)
+
+
 def gather_full_state_dict(
     model: Any,
     dtype: torch.dtype | str | None = None,
@@ -187,7 +233,7 @@ def gather_full_state_dict(
     """
     with params_resident(model):
         module = unwrap_model(model)
-        return _gather_state(module, dtype, state_dict_filter)
+        return _gather_state(module, dtype, state_dict_filter, _offload_masters(model, resolve_dtype(dtype)))
 
 
 def params_resident(model: Any) -> contextlib.AbstractContextManager:
@@ -198,7 +244,7 @@ def params_resident(model: Any) -> contextlib.AbstractContextManager:
     return contextlib.nullcontext()
 
 
-def _gather_state(module: nn.Module, dtype, state_dict_filter) -> dict[str, torch.Tensor]:
+def _gather_state(module: nn.Module, dtype, state_dict_filter, masters: _Masters | None = None) -> dict[str, torch.Tensor]:
     dtype = resolve_dtype(dtype)
     state = module.state_dict(keep_vars=True)
     names = [n for n in state if isinstance(state[n], torch.Tensor) and (state_dict_filter is None or state_dict_filter(n))]
@@ -211,7 +257,7 @@ def _gather_state(module: nn.Module, dtype, state_dict_filter) -> dict[str, torc
             if keep:
                 out[name] = out[original]
             continue
-        tensor = _gather_one(state[name], dtype, keep)
+        tensor = _gather_value(name, state[name], dtype, keep, masters)
         if keep:
             out[name] = tensor
     return restore_scalar_keys(out, lifted_keys(module))
@@ -306,13 +352,14 @@ def save_16bit_model(
     if not safe_serialization:
         raise ValueError("hf_zero writes safetensors only; pass safe_serialization=True")
     with params_resident(model):
-        return _save_16bit(unwrap_model(model), os.fspath(output_dir), resolve_dtype(dtype), max_shard_size,
+        dtype = resolve_dtype(dtype)
+        return _save_16bit(unwrap_model(model), os.fspath(output_dir), dtype, max_shard_size,
                            _rank() == 0 if is_main_process is None else is_main_process,
-                           state_dict_filter, save_config, extra_files, progress)
+                           state_dict_filter, save_config, extra_files, progress, _offload_masters(model, dtype))
 
 
 def _save_16bit(module, output_dir, dtype, max_shard_size, is_main_process, state_dict_filter, save_config,
-                extra_files, progress) -> list[str]:
+                extra_files, progress, masters: _Masters | None = None) -> list[str]:
     adapter_keys = peft_adapter_key_map(module)
     state = module.state_dict(keep_vars=True)
     ignored = set(getattr(module, "_keys_to_ignore_on_save", None) or ())
@@ -367,7 +414,7 @@ def _save_16bit(module, output_dir, dtype, max_shard_size, is_main_process, stat
                 keep = writer is not None and error is None
                 gathered: dict[str, torch.Tensor] = {}
                 for key in group:
-                    tensor = _gather_one(state[source_of[key]], dtype, keep=keep)
+                    tensor = _gather_value(source_of[key], state[source_of[key]], dtype, keep, masters)
                     if tensor is not None:
                         gathered[key] = tensor.reshape(()) if source_of[key] in lifted else tensor
                 bar.update(len(group))

@@ -514,6 +514,23 @@ class OffloadManager:
         if self.param_cfg.device == "nvme" and self.params is not None:
             self.params.materialize(module_state, skip=replaced)
 
+    def fp32_masters(self) -> tuple[dict[str, torch.Tensor], dict[str, int] | None]:
+        """The fp32 master weights the offloaded optimizer holds on this rank, for an fp32 export of
+        the live model (the model itself holds their 16-bit copies): ``({name: master}, owners)``,
+        each name of a tied parameter listed. Stages 2/3: every rank holds the masters of its
+        shards, as DTensors shaped like their parameters (``owners`` None). Stages 0/1: whole
+        masters of the parameters this rank owns; ``owners`` names the rank holding each one.
+        Empty when the optimizer is not offloaded."""
+        if self.optimizer is None:
+            return {}, None
+        _, masters = self.optimizer.checkpoint_state()
+        aliases = self._aliases()
+        tensors = {alias: m for name, m in masters.items() for alias in aliases.get(name, [name])}
+        owners = self.optimizer.owners()
+        if owners is not None:
+            owners = {alias: r for name, r in owners.items() for alias in aliases.get(name, [name])}
+        return tensors, owners
+
     def _aliases(self) -> dict[str, list[str]]:
         if self._model is None:
             return {}

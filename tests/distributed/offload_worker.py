@@ -143,7 +143,9 @@ def run_parity(case: OffloadCase, nvme_dir: str, offload: bool) -> dict:
         from hf_zero.checkpoint.export16 import gather_full_state_dict
 
         with engine.params_resident():
-            gathered = gather_full_state_dict(engine, dtype=torch.float32)
+            # dtype=None: the stored 16-bit shards themselves (an fp32 export reads the optimizer's
+            # masters instead: tests/distributed/test_offload_export.py).
+            gathered = {k: v.float() for k, v in gather_full_state_dict(engine, dtype=None).items()}
     engine.close()
     dist.barrier()  # every rank has closed: its folder, and the run's, must be gone
     seen["dirs_after_close"] = [d for d in seen["dirs"] if os.path.exists(d)]
