@@ -7,6 +7,8 @@ loss of every step and the saved weights (through ``from_pretrained``) must agre
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -57,3 +59,21 @@ def test_deepspeed_flag_is_an_alias(reference, tmp_path):
     out = tmp_path / "out"
     hf_zero_run(2, FINETUNE, "--deepspeed", str(cfg), "--output_dir", str(out), "--per_device_train_batch_size", "2", *COMMON)
     torch.testing.assert_close(logged_losses(out), logged_losses(reference), rtol=2e-4, atol=0)
+
+
+def test_schedule_free_at_stage_1_switches_every_ranks_weights(tmp_path):
+    """Schedule-free optimizers swap the weights between their two sequences in ``train()`` /
+    ``eval()`` (at every evaluation here); at stage 1 each rank swaps only the parameters it owns,
+    so hf_zero broadcasts them, as after a step. Without that, evaluation and the next steps would
+    run on a mix of switched and unswitched weights."""
+    pytest.importorskip("schedulefree")
+    script = "integration_tests/scripts/schedule_free_eval.py"
+    plain, out = tmp_path / "plain", tmp_path / "out"
+    python_script(script, str(plain), "4")
+    cfg = write_config(tmp_path / "ds_zero1.json", zero_config(1))
+    hf_zero_run(2, script, str(out), "2", "--zero_config", str(cfg))
+    torch.testing.assert_close(logged_losses(out), logged_losses(plain), rtol=2e-4, atol=0)
+    eval_losses = [json.loads((d / "trainer_state.json").read_text())["log_history"] for d in (out, plain)]
+    got, want = ([h["eval_loss"] for h in log if "eval_loss" in h] for log in eval_losses)
+    assert len(got) == 3
+    torch.testing.assert_close(got, want, rtol=2e-5, atol=0)  # unsynced weights: ~2e-4 off
