@@ -7,7 +7,7 @@ optimizer offload with a predivide factor). Compared: each case's losses with it
 run, and the first step's gradients with the mean of the ranks' gradients computed by plain
 autograd on an unsharded copy (all-reduced by hand): the reference is torch, not hf_zero.
 
-    torchrun --standalone --nproc_per_node 2 tests/distributed/test_fsdp_knobs.py OUT.pt   (the worker)
+    torchrun --standalone --nproc_per_node 2 tests/distributed/test_fsdp_knobs_parity.py OUT.pt   (the worker)
 """
 
 from __future__ import annotations
