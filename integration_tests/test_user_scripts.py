@@ -28,6 +28,7 @@ pytestmark = pytest.mark.slow
 
 QWEN = "integration_tests/scripts/qwen_style_lora.py"
 FASTCHAT = "integration_tests/scripts/fastchat_style_full.py"
+ALPACA = "integration_tests/scripts/alpaca_style_full.py"
 PLAIN = "integration_tests/scripts/plain_transformers4.py"
 TINY = REPO / "assets" / "tiny-qwen2"
 
@@ -124,3 +125,25 @@ def test_fastchat_style_full_finetune_script(stage, fastchat_reference, tmp_path
     for key in expected_sd:
         torch.testing.assert_close(got_sd[key], expected_sd[key], rtol=1e-4, atol=2e-5, msg=key)
     assert (out / "tokenizer_config.json").exists()  # Trainer(tokenizer=...) became processing_class
+
+
+@pytest.fixture(scope="module")
+def alpaca_reference(tmp_path_factory):
+    return _plain_run(tmp_path_factory, ALPACA, FASTCHAT_ARGS)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_alpaca_style_state_dict_save(stage, alpaca_reference, tmp_path):
+    """``trainer.model.state_dict()`` on every rank + ``trainer._save(dir, state_dict=...)`` on the
+    saving rank writes the whole model, as the Trainer's FSDP full state dict did."""
+    from transformers import AutoModelForCausalLM
+
+    reference, _ = alpaca_reference
+    out, _ = _hf_zero_run(tmp_path, stage, ALPACA, FASTCHAT_ARGS)
+    _same_losses(out, reference)
+    got_sd = AutoModelForCausalLM.from_pretrained(out).state_dict()
+    expected_sd = AutoModelForCausalLM.from_pretrained(reference).state_dict()
+    assert got_sd.keys() == expected_sd.keys()
+    for key in expected_sd:
+        assert got_sd[key].shape == expected_sd[key].shape, key  # whole tensors, not one rank's slice
+        torch.testing.assert_close(got_sd[key], expected_sd[key], rtol=1e-4, atol=2e-5, msg=key)
