@@ -380,6 +380,12 @@ def test_line_overrides_the_file(files, monkeypatch, tmp_path):
     ("--num_processes 3 --num_machines 2 --main_process_ip 10.0.0.1", "multiple of the machine count"),
 ])
 def test_refused_with_what_to_do(line, message):
+    from accelerate.commands.launch import launch_command_parser
+
+    known = {spelling for action in launch_command_parser()._actions for spelling in action.option_strings}
+    newer = [a for a in shlex.split(line) if a.startswith("--fsdp_") and a not in known]
+    if newer:  # e.g. --fsdp_activation_checkpointing_offload is newer than accelerate 1.10 (the matrix floor)
+        pytest.skip(f"this accelerate has no {newer}")
     with pytest.raises(LaunchLineError, match=message):
         plan_launch_line([*shlex.split(line), "train.py"], env={})
 
