@@ -107,3 +107,26 @@ def test_installed_versions_name_what_is_installed():
     assert versions["transformers"] == transformers.__version__
     # PyPI's CUDA wheels are "2.9.1" to pip and "2.9.1+cu128" to torch; the CPU wheel is "+cpu" to both.
     assert versions["torch"].split("+")[0] == torch.__version__.split("+")[0]
+
+
+@pytest.mark.skipif(cv.HAS_LOOP_HOOKS, reason="transformers 5.3+: the loop calls ZeroTrainer's hooks itself")
+def test_zero_trainers_put_the_inline_loop_adapter_first():
+    """Without it, transformers < 5.3 never calls _prepare_for_training: ZeroTrainer would train as
+    a plain Trainer, with no engine and no ZeRO (and stage 3 would fail on low-memory loading)."""
+    from hf_zero.integration.trainer import ZeroSeq2SeqTrainer, ZeroTrainer, ZeroTrainerMixin
+
+    for cls in (ZeroTrainer, ZeroSeq2SeqTrainer):
+        mro = cls.__mro__
+        assert cv.InlineLoopHooks in mro, (
+            f"{cls.__name__} needs compat_versions.LoopHooks as its first base: "
+            f"class {cls.__name__}(LoopHooks, ZeroTrainerMixin, ...)")
+        assert mro.index(cv.InlineLoopHooks) < mro.index(ZeroTrainerMixin)
+
+
+def test_docs_versions_shows_the_table():
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[2] / "docs" / "versions.md").read_text()
+    start, end = "<!-- compat_versions table: begin -->\n", "<!-- compat_versions table: end -->"
+    assert text.split(start)[1].split(end)[0] == cv.render_table(), (
+        "docs/versions.md is out of date: paste compat_versions.render_table() between its markers")
