@@ -19,8 +19,11 @@ it what transformers 4 with DeepSpeed installed gave such a script), same seed a
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
+import transformers
 
 from _run import REPO, hf_zero_run, logged_losses, python_script, write_config, zero_config
 
@@ -36,7 +39,10 @@ COMMON = ["--max_steps", "3", "--logging_steps", "1", "--report_to", "none", "--
           "--seed", "7", "--lr_scheduler_type", "linear"]
 # The same settings under their transformers 4 names (hf_zero run) and transformers 5 names (plain run).
 V4_FLAGS = ["--evaluation_strategy", "no", "--warmup_ratio", "0.34"]
-V5_FLAGS = ["--eval_strategy", "no", "--warmup_steps", "0.34"]
+# The plain reference in the installed release's own names: transformers 5 takes the ratio as a
+# fractional --warmup_steps and has no --warmup_ratio; 4.x (the version matrix) has only the ratio.
+_HAS_RATIO = "warmup_ratio" in {f.name for f in dataclasses.fields(transformers.TrainingArguments)}
+V5_FLAGS = ["--eval_strategy", "no", *(["--warmup_ratio", "0.34"] if _HAS_RATIO else ["--warmup_steps", "0.34"])]
 QWEN_ARGS = ["--learning_rate", "1e-2", "--post_train_scale_lora_b", "2.0"]
 FASTCHAT_ARGS = ["--learning_rate", "1e-3"]
 
