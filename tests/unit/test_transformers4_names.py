@@ -197,17 +197,26 @@ def test_consolidated_16bit_state_dict_on_the_wrapped_model(tmp_path):
     trainer.train()
     assert trainer.deepspeed is trainer.model_wrapped
     state = trainer.model_wrapped._zero3_consolidated_16bit_state_dict()
-    # The reference: the shards gathered by torch itself.
-    expected = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach()
-                for k, v in trainer.model.state_dict().items()}
+    # The reference: the shards as torch's own state-dict API returns them, gathered by torch.
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+    from torch.distributed.tensor import DTensor
+
+    shards = get_model_state_dict(trainer.model)
+    assert any(isinstance(v, DTensor) for v in shards.values())  # a library caller still gets shards
+    expected = {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach() for k, v in shards.items()}
     assert list(state) == list(expected)
     for key, value in expected.items():
         torch.testing.assert_close(state[key], value, rtol=0, atol=0, msg=key)
     assert state["lm_head.weight"] is state["model.embed_tokens.weight"]
     trainable = trainer.model_wrapped._zero3_consolidated_16bit_state_dict(exclude_frozen_parameters=True)
     assert set(trainable) == set(expected)  # nothing is frozen in a full fine-tune
+    # A script's own model.state_dict() (Alpaca's save) gets whole tensors, as FSDP's full state dict.
+    scripts_view = trainer.model.state_dict()
+    assert not any(isinstance(v, DTensor) for v in scripts_view.values())
+    for key, value in expected.items():
+        torch.testing.assert_close(scripts_view[key], value, rtol=0, atol=0, msg=key)
     with pytest.raises(ValueError, match="_zero3_consolidated_16bit_state_dict"):
-        trainer._save(str(tmp_path / "bad"), state_dict=trainer.model.state_dict())
+        trainer._save(str(tmp_path / "bad"), state_dict=shards)
 
 
 def test_aliases_still_apply_when_transformers_names_hf_zeros_class(tmp_path, monkeypatch):
