@@ -6,6 +6,7 @@
 #   scripts/test_versions.sh                  # every corner
 #   scripts/test_versions.sh oldest lf        # some corners
 #   QUICK_ONLY=1 scripts/test_versions.sh t457
+#   BUILD_ONLY=1 scripts/test_versions.sh         # build the venvs, run nothing
 #   VENV_oldest=/path/to/venv scripts/test_versions.sh oldest   # reuse a venv you built
 #
 # Corners (torch 2.13.0 is the CPU wheel pip finds locally here; the others are PyPI's CUDA
@@ -114,6 +115,7 @@ run_corner() {
   local vers
   vers="$(versions "$venv")"
   echo "== $corner: $vers"
+  [ -n "${BUILD_ONLY:-}" ] && return 0
   cd "$REPO" || return 1
   start=$SECONDS
   "$venv/bin/python" -m pytest -q -p no:warnings --durations=20 -m "not slow" tests integration_tests >"$log.quick" 2>&1 || rc=1
