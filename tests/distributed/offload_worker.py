@@ -14,6 +14,11 @@ Writes ``{name: {"uninterrupted": [...], "resumed": [...]}}`` for both direction
 MODE ``faults``: the fault scenarios of :data:`FAULTS`, one after the other in the same processes;
 each injects a fault on one rank (or both) and records, per rank, the error the rank got. Writes
 ``{scenario: [per-rank {"error", "type", ...}]}``.
+
+MODE ``strict`` (run with ``HF_ZERO_STRICT_COLLECTIVES=1``, tests/strict_collectives.py): each case
+trains, exports its 16-bit weights and saves a sharded checkpoint; a strict-collective error in a
+phase is recorded, not raised. ``HF_ZERO_STRICT_CONTROL=bypass`` replaces ``on_mesh_device`` by the
+identity first. Writes ``{name: {"norms", "exported", "errors": {phase: message}, "stats"}}``.
 """
 
 from __future__ import annotations
@@ -306,10 +311,44 @@ def run_fault(scenario: str, nvme_dir: str, work: str) -> dict:
     return out
 
 
+def run_strict(case: OffloadCase, nvme_dir: str, work: str) -> dict:
+    """Train, export 16-bit weights and save a checkpoint; strict-collective errors per phase."""
+    import hf_zero
+    from hf_zero.checkpoint.export16 import gather_full_state_dict
+    from hf_zero.checkpoint.sharded import save_checkpoint
+    from strict_collectives import StrictCollectiveError, stats
+
+    engine = hf_zero.initialize(tiny_model(case.model), case.zero_config(nvme_dir))
+    data = make_data(case.steps, case.gas, dist.get_world_size(), case.base.micro, case.base.seq)
+    out: dict = {"norms": None, "exported": None, "errors": {}}
+    phases = {
+        "grad_norm": lambda: out.__setitem__("norms", train(engine, case, 0, case.steps, data)[1]),
+        "export16": lambda: out.__setitem__("exported", {
+            k: v.float() for k, v in gather_full_state_dict(engine, dtype=torch.bfloat16).items()}),
+        "checkpoint": lambda: save_checkpoint(engine, os.path.join(work, f"strict-{case.full_name}")),
+    }
+    for phase, run in phases.items():
+        try:
+            run()
+        except StrictCollectiveError as exc:
+            out["errors"][phase] = str(exc)
+    engine.close()
+    out["stats"] = dict(stats)
+    return out
+
+
 def main() -> None:
     from hf_zero.distributed.env import init_distributed
 
     mode, cases_path, out_path, nvme_dir = sys.argv[1:5]
+    if os.environ.get("HF_ZERO_STRICT_COLLECTIVES") == "1":
+        # Test-only strict collectives (tests/strict_collectives.py): installed here, never by hf_zero.
+        sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+        import strict_collectives
+
+        strict_collectives.install()
+        if os.environ.get("HF_ZERO_STRICT_CONTROL") == "bypass":
+            strict_collectives.bypass_on_mesh_device()
     init_distributed()
     with open(cases_path) as f:
         cases = [OffloadCase(**c) for c in json.load(f)] if mode != "faults" else []
@@ -334,6 +373,9 @@ def main() -> None:
                 # resume into the same kind can be compared exactly.
                 results[case.full_name]["offloaded_to_offloaded"] = run_resume(
                     case, nvme_dir, ckpt_root, first_offloaded=True, then_offloaded=True)
+    elif mode == "strict":
+        for case in cases:
+            results[case.full_name] = run_strict(case, nvme_dir, os.path.dirname(out_path))
     elif mode == "faults":
         work = os.path.dirname(out_path)
         for scenario in FAULTS:
