@@ -137,7 +137,9 @@ def test_source_000_launch_flags_parse(tmp_path):
         "--evaluation_strategy", "no", "--warmup_ratio", "0.03", "--lr_scheduler_type", "cosine",
         "--max_steps", "2000", "--learning_rate", "1e-6",
     ])
-    assert args.eval_strategy == "no" and args.warmup_steps == 0.03
+    assert args.eval_strategy == "no"
+    # transformers 5 takes the ratio as a fractional warmup_steps; 4.x still has warmup_ratio itself
+    assert args.warmup_steps == 0.03 or getattr(args, "warmup_ratio", None) == 0.03
     assert args.get_warmup_steps(2000) == 60
     assert args.parsed_zero_config.stage == 3 and args.deepspeed is None
 

@@ -30,6 +30,7 @@ import torch
 from torch import nn
 from transformers import Seq2SeqTrainer, Trainer
 
+from hf_zero.integration.compat_versions import LoopHooks
 from hf_zero.integration.deepspeed_surface import attach_consolidated_state_dict, called_from_library
 from hf_zero.integration.engine_views import EngineOptimizer, EngineScheduler
 from hf_zero.integration.trainer_checkpoints import ZeroCheckpointingMixin
@@ -287,7 +288,7 @@ class ZeroTrainerMixin(ZeroCheckpointingMixin):
         return float(grad_norm)
 
 
-class ZeroTrainer(ZeroTrainerMixin, Trainer):
+class ZeroTrainer(LoopHooks, ZeroTrainerMixin, Trainer):
     """``transformers.Trainer`` trained by hf_zero; pass :class:`ZeroTrainingArguments`.
 
     Example::
@@ -300,5 +301,5 @@ class ZeroTrainer(ZeroTrainerMixin, Trainer):
     """
 
 
-class ZeroSeq2SeqTrainer(ZeroTrainerMixin, Seq2SeqTrainer):
+class ZeroSeq2SeqTrainer(LoopHooks, ZeroTrainerMixin, Seq2SeqTrainer):
     """``transformers.Seq2SeqTrainer`` trained by hf_zero."""

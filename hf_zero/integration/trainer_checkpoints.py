@@ -129,7 +129,7 @@ class ZeroCheckpointingMixin:
             return super()._save_checkpoint(model, trial)
         from transformers.trainer_callback import ExportableState
         from transformers.trainer_utils import SaveStrategy
-        from transformers.trainer import rotate_checkpoints
+        from hf_zero.integration.compat_versions import rotate_checkpoints
 
         if self.hp_search_backend is None and trial is None:
             self.store_flos()
@@ -184,12 +184,7 @@ class ZeroCheckpointingMixin:
             if os.path.exists(best_dir):
                 self.state.best_model_checkpoint = best_dir
         if self.args.should_save:
-            rotate_checkpoints(
-                output_dir=run_dir,
-                save_total_limit=self.args.save_total_limit,
-                best_model_checkpoint=self.state.best_model_checkpoint,
-                use_mtime=True,
-            )
+            rotate_checkpoints(self, run_dir)  # transformers' own, wherever the release keeps it
 
     # ------------------------------------------------------------------------------- resuming
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: nn.Module | None = None) -> None:
