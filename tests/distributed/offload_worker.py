@@ -116,10 +116,14 @@ def full_state(engine) -> dict:
 
     # With an offloaded optimizer the model holds 16-bit shards; the fp32 masters are in the
     # engine's state dict, which is what a checkpoint (and consolidation) saves.
+    from hf_zero.distributed.collectives import on_mesh_device
+
     state = engine.state_dict()["module"]
     out = {}
     for key, value in state.items():
-        out[key] = value.full_tensor() if hasattr(value, "full_tensor") else value
+        # Offloaded masters are DTensors over host shards: gathered from the mesh's device, as a
+        # GPU run must (strict collectives check it).
+        out[key] = on_mesh_device(value).full_tensor() if hasattr(value, "full_tensor") else value
     del StateDictOptions, get_model_state_dict
     return {k: v.detach().float().cpu().clone() for k, v in out.items()}
 
