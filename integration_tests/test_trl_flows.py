@@ -63,8 +63,7 @@ FLOWS = {
     "grpo": ("grpo.py", "prompts", ["--reward_funcs", "integration_tests.trl_rewards.distinct_words",
                                     "--beta", "0.1", "--num_generations", "2", "--max_completion_length", "8"]),
 }
-CASES = [("sft", 1), ("sft", 2), ("sft", 3), ("sft_lora", 3), ("dpo_sync", 1), ("dpo_sync", 2), ("dpo_sync", 3),
-         ("grpo", 3)]
+CASES = [("sft", 2), ("sft", 3), ("sft_lora", 3), ("dpo_sync", 1), ("dpo_sync", 2), ("dpo_sync", 3), ("grpo", 3)]
 
 
 def _args(flow: str, data: dict, out: Path) -> list[str]:
