@@ -29,8 +29,8 @@ Limits: NVMe-swapped parameter shards get new storage on every swap-in and are n
 ``.to(device)`` outside ``on_mesh_device`` never counts as a move to the device (no false errors, but
 a correct move done elsewhere would be reported); ``torch.ops`` calls do not propagate tags.
 
-Test-only: installed by the distributed test workers when ``HF_ZERO_STRICT_COLLECTIVES=1``, never by
-the package. Example::
+Test-only: installed by the distributed test workers (:func:`install_from_env`) when
+``HF_ZERO_STRICT_COLLECTIVES=1``, never by the package. Example::
 
     >>> from tests import strict_collectives
     >>> strict_collectives.install()               # doctest: +SKIP
@@ -291,6 +291,17 @@ def install() -> None:
     base._allocate = _tag_allocation(base._allocate)
     _HostTier().__enter__()  # process-wide for the main thread; never exited (the worker ends)
     _installed = True
+
+
+def install_from_env() -> bool:
+    """For test workers: :func:`install` when ``HF_ZERO_STRICT_COLLECTIVES=1``, and the control
+    (:func:`bypass_on_mesh_device`) when also ``HF_ZERO_STRICT_CONTROL=bypass``. Whether installed."""
+    if not enabled():
+        return False
+    install()
+    if os.environ.get("HF_ZERO_STRICT_CONTROL") == "bypass":
+        bypass_on_mesh_device()
+    return True
 
 
 def bypass_on_mesh_device() -> None:

@@ -50,9 +50,12 @@ def _integrate_stage() -> None:
 
 def full_state(model) -> dict[str, torch.Tensor]:
     """Every parameter and buffer gathered to a full CPU tensor (collective)."""
+    from hf_zero.distributed.collectives import on_mesh_device
+
     out = {}
     for name, t in list(model.named_parameters(remove_duplicate=False)) + list(model.named_buffers()):
-        full = t.full_tensor() if hasattr(t, "full_tensor") else t
+        # on_mesh_device: offloaded shards live in host memory, which NCCL cannot gather.
+        full = on_mesh_device(t).full_tensor() if hasattr(t, "full_tensor") else t
         out[name] = full.detach().cpu().clone()
     return out
 
@@ -280,7 +283,9 @@ def run_trainer(workdir: str) -> None:
 def main() -> None:
     workdir, out = sys.argv[1], sys.argv[2]
     from hf_zero.distributed.env import init_distributed
+    from tests.strict_collectives import install_from_env
 
+    install_from_env()  # HF_ZERO_STRICT_COLLECTIVES=1: test-only strict collectives, never by hf_zero
     init_distributed()
     rank = dist.get_rank()
     if rank == 0:

@@ -320,7 +320,7 @@ def run_strict(case: OffloadCase, nvme_dir: str, work: str) -> dict:
     import hf_zero
     from hf_zero.checkpoint.export16 import gather_full_state_dict
     from hf_zero.checkpoint.sharded import save_checkpoint
-    from strict_collectives import StrictCollectiveError, stats
+    from tests.strict_collectives import StrictCollectiveError, stats
 
     engine = hf_zero.initialize(tiny_model(case.model), case.zero_config(nvme_dir))
     data = make_data(case.steps, case.gas, dist.get_world_size(), case.base.micro, case.base.seq)
@@ -345,14 +345,9 @@ def main() -> None:
     from hf_zero.distributed.env import init_distributed
 
     mode, cases_path, out_path, nvme_dir = sys.argv[1:5]
-    if os.environ.get("HF_ZERO_STRICT_COLLECTIVES") == "1":
-        # Test-only strict collectives (tests/strict_collectives.py): installed here, never by hf_zero.
-        sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-        import strict_collectives
+    from tests.strict_collectives import install_from_env
 
-        strict_collectives.install()
-        if os.environ.get("HF_ZERO_STRICT_CONTROL") == "bypass":
-            strict_collectives.bypass_on_mesh_device()
+    install_from_env()  # HF_ZERO_STRICT_COLLECTIVES=1: test-only strict collectives, never by hf_zero
     init_distributed()
     with open(cases_path) as f:
         cases = [OffloadCase(**c) for c in json.load(f)] if mode != "faults" else []
