@@ -171,7 +171,8 @@ class _HostTier(TorchFunctionMode):
             return out
         if func is torch.Tensor.to and (_emulating() and _explicit_device(args, kwargs)
                                         or _to_accelerator(args, kwargs)):
-            # The host-to-device copy on_mesh_device makes: a new tensor in device memory.
+            # A host-to-device copy (on_mesh_device, FSDP2's copy-in, .to(collective_device())):
+            # a new tensor in device memory.
             if isinstance(out, torch.Tensor) and _local(out) is not None and host_origin(out) is not None:
                 out = out.clone()
             stats["moved"] += 1
@@ -207,7 +208,6 @@ def _as_on_gpu(fn):
         finally:
             _state.emulate -= 1
 
-    wrapper.__wrapped_strict__ = True
     return wrapper
 
 
