@@ -538,7 +538,11 @@ def _offloaded_params(model: nn.Module) -> set[int]:
         if not isinstance(module, FSDPModule):
             continue
         try:
-            groups = module._get_fsdp_state()._fsdp_param_groups
+            state = module._get_fsdp_state()
+            groups = getattr(state, "_fsdp_param_groups", None)  # torch 2.12+: a list
+            if groups is None:  # torch 2.9-2.11: one group per unit
+                group = state._fsdp_param_group
+                groups = [group] if group is not None else []
         except Exception:  # noqa: BLE001 - torch-private; without it the caller passes param_device
             continue
         for group in groups:
