@@ -13,6 +13,8 @@ from typing import Any
 
 from torch import nn
 
+from hf_zero.engine.optimizer_view import EngineOptimizerProxy
+
 __all__ = ["EngineModel", "EngineOptimizerView", "EngineSchedulerView"]
 
 
@@ -49,7 +51,7 @@ class EngineModel(nn.Module):
             return getattr(self._modules["module"], name)
 
 
-class EngineOptimizerView:
+class EngineOptimizerView(EngineOptimizerProxy):
     """The prepared optimizer: ``step()``/``zero_grad()`` act at accumulation boundaries only
     (accelerate's ``AcceleratedOptimizer`` rule); ``step()`` is the engine's update (overflow check,
     clipping from the config, the optimizer over the shards)."""
@@ -64,18 +66,6 @@ class EngineOptimizerView:
         """The optimizer the engine steps (rebuilt on the shards from the one the script made)."""
         return self.engine.optimizer
 
-    @property
-    def param_groups(self):
-        return self.engine.optimizer.param_groups
-
-    @property
-    def state(self):
-        return self.engine.optimizer.state
-
-    @property
-    def defaults(self):
-        return self.engine.optimizer.defaults
-
     def step(self, closure: Any = None) -> None:
         if self.accelerator.sync_gradients:
             self.engine.optimizer_step()
@@ -84,17 +74,6 @@ class EngineOptimizerView:
     def zero_grad(self, set_to_none: bool | None = None) -> None:
         if self.accelerator.sync_gradients:
             self.engine.zero_grad()
-
-    @property
-    def step_was_skipped(self) -> bool:
-        """True when the last update was skipped (fp16 overflow): accelerate's scheduler then waits."""
-        return self.engine.last_step_skipped
-
-    def state_dict(self) -> dict:
-        return self.engine.optimizer.state_dict()
-
-    def load_state_dict(self, state: dict) -> None:
-        self.engine.optimizer.load_state_dict(state)
 
     def __repr__(self) -> str:
         return f"EngineOptimizerView({self.engine.optimizer!r})"

@@ -4,27 +4,17 @@ scheduler and steps them inside its update (skipped on an fp16 overflow)."""
 
 from __future__ import annotations
 
+from hf_zero.engine.optimizer_view import EngineOptimizerProxy
+
 __all__ = ["EngineOptimizer", "EngineScheduler"]
 
 
-class EngineOptimizer:
+class EngineOptimizer(EngineOptimizerProxy):
     """What the Trainer loop calls ``self.optimizer``: the engine's update behind ``step()``."""
 
     def __init__(self, engine, scheduler: EngineScheduler | None):
         self.engine = engine
         self.scheduler = scheduler  # None when the loop steps the real scheduler itself (plateau)
-
-    @property
-    def param_groups(self):
-        return self.engine.optimizer.param_groups
-
-    @property
-    def state(self):
-        return self.engine.optimizer.state
-
-    @property
-    def defaults(self):
-        return self.engine.optimizer.defaults
 
     def step(self, closure=None):
         self.engine.optimizer_step()
@@ -33,16 +23,6 @@ class EngineOptimizer:
 
     def zero_grad(self, set_to_none: bool = True):
         self.engine.zero_grad()
-
-    def state_dict(self):
-        return self.engine.optimizer.state_dict()
-
-    def load_state_dict(self, state):
-        self.engine.optimizer.load_state_dict(state)
-
-    @property
-    def step_was_skipped(self) -> bool:
-        return self.engine.last_step_skipped
 
     # Schedule-free optimizers (``--optim schedule_free_*``) keep two sets of weights and swap
     # them with ``train()`` / ``eval()``; the Trainer calls them when the optimizer has them, so
