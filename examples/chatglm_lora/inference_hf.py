@@ -20,6 +20,13 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 DTYPES = {"auto": "auto", "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# The prompt a model saw in training: the chat template (finetune_hf.py), or the Stanford-Alpaca
+# "no input" prompt (examples/finetune_qwen/finetune.py, PROMPT_DICT["prompt_no_input"]).
+ALPACA_PROMPT = (
+    "Below is an instruction that describes a task. "
+    "Write a response that appropriately completes the request.\n\n"
+    "### Instruction:\n{instruction}\n\n### Response:"
+)
 
 
 def load_model_and_tokenizer(model_dir: Path, base_model: str | None, dtype, trust_remote_code: bool):
@@ -43,6 +50,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("model_dir", type=Path)
     parser.add_argument("--prompt", default="类型#裙*颜色#蓝色*风格#清新*图案#蝴蝶结")
+    parser.add_argument("--prompt_format", choices=["chat", "alpaca", "plain"], default="chat",
+                        help="chat: the tokenizer's chat template (as finetune_hf.py trains; plain when the "
+                             "tokenizer has none); alpaca: the Alpaca prompt finetune_qwen/finetune.py trains")
     parser.add_argument("--base_model", default=None, help="override the adapter's base_model_name_or_path")
     parser.add_argument("--max_new_tokens", type=int, default=64)
     parser.add_argument("--min_new_tokens", type=int, default=0)
@@ -55,7 +65,9 @@ def main() -> None:
                                                 args.trust_remote_code)
     model.to(args.device).eval()
 
-    if tokenizer.chat_template:
+    if args.prompt_format == "alpaca":
+        text = ALPACA_PROMPT.format(instruction=args.prompt)
+    elif args.prompt_format == "chat" and tokenizer.chat_template:
         text = tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}],
                                              add_generation_prompt=True, tokenize=False)
     else:

@@ -13,6 +13,7 @@
 import copy
 import json
 import logging
+import os
 from dataclasses import dataclass, field
 from typing import Dict, Optional, Sequence
 
@@ -207,6 +208,23 @@ def train():
     trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
     trainer.save_state()
     trainer.save_model(output_dir=training_args.output_dir)
+    if trainer.is_world_process_zero():
+        print(where_the_model_went(training_args.output_dir), flush=True)
+
+
+def where_the_model_went(output_dir: str) -> str:
+    """The closing lines on rank 0: where the model is and how to load or try it."""
+    def shown(path: str) -> str:  # relative to where the user is, unless that means climbing out
+        rel = os.path.relpath(os.path.abspath(path))
+        return os.path.abspath(path) if rel.startswith("..") else rel
+
+    out = shown(output_dir)
+    inference = shown(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "chatglm_lora", "inference_hf.py"))
+    return (
+        f"\nThe fine-tuned model is in {out}/ (safetensors weights, config.json, tokenizer).\n"
+        f"  Load it:  transformers.AutoModelForCausalLM.from_pretrained({out!r})\n"
+        f"  Try it:   python {inference} {out} --prompt_format alpaca --prompt \"What is 12 plus 7?\""
+    )
 
 
 if __name__ == "__main__":
