@@ -1,0 +1,106 @@
+"""Trainer options that only show on more than one rank, each run by transformers' own Trainer (plain
+DDP) and by ZeroTrainer in the same torchrun launch (one launch, one start-up, for all of them):
+
+- ``average_tokens_across_devices`` False (stages 0-3) and its default True (stage 0). The labels
+  mask a different number of tokens on each rank, so the two settings train differently.
+- ``--optim galore_adamw`` with ``optim_target_modules`` (stages 2, 3), where galore_torch is
+  installed: GaLore's projection (an SVD of each gradient) meets a DTensor shard there.
+- a submodule called directly after ``train()`` (stages 0, 1; the plain Trainer's model allows it).
+
+    torchrun --nproc_per_node 2 two_rank_options.py OUT_DIR
+
+Each run saves its model (``save_model``) and state (``save_state``) under OUT_DIR/<run>; rank 0
+writes OUT_DIR/result.json with the submodule outputs and the errors runs raised.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import sys
+from pathlib import Path
+
+import torch
+from datasets import Dataset
+from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
+
+from hf_zero import ZeroTrainer, ZeroTrainingArguments
+from hf_zero.engine.sharded_optimizer import ShardedOptimizerError
+
+TINY = Path(__file__).resolve().parents[2] / "assets" / "tiny-qwen2"
+GALORE = dict(optim="galore_adamw", optim_target_modules=["q_proj", "v_proj"],
+              optim_args="rank=4, update_proj_gap=2, scale=0.25")
+
+
+def masked_dataset(n: int = 16, seq: int = 16) -> Dataset:
+    """Random sequences whose labels mask a random prefix (1 to 13 tokens), as a prompt would be:
+    the label-token count differs between ranks' batches."""
+    g = torch.Generator().manual_seed(11)
+    ids = torch.randint(3, 500, (n, seq), generator=g)
+    labels = ids.clone()
+    for row, masked in zip(labels, torch.randint(1, seq - 2, (n,), generator=g)):
+        row[: int(masked)] = -100
+    return Dataset.from_dict({"input_ids": ids.tolist(), "labels": labels.tolist()})
+
+
+def train(out: Path, name: str, stage: int | None, **options):
+    """Train the tiny Qwen2 3 steps (2 ranks x 2 sequences x 2 accumulation steps); ``stage`` None is
+    the plain Trainer. Saves the model and the state under out/name."""
+    common = dict(output_dir=str(out / name), per_device_train_batch_size=2, gradient_accumulation_steps=2,
+                  max_steps=3, logging_steps=1, report_to="none", save_strategy="no", learning_rate=2e-3,
+                  seed=3, disable_tqdm=True, max_grad_norm=1.0, use_cpu=True)
+    common.update(options)
+    model = AutoModelForCausalLM.from_pretrained(TINY)
+    if stage is None:
+        trainer = Trainer(model=model, args=TrainingArguments(**common), train_dataset=masked_dataset())
+    else:
+        args = ZeroTrainingArguments(zero_config={"zero_optimization": {"stage": stage}}, **common)
+        trainer = ZeroTrainer(model=model, args=args, train_dataset=masked_dataset())
+    trainer.train()
+    trainer.save_model()
+    trainer.save_state()
+    return model
+
+
+def submodule_outputs(model) -> dict:
+    """What a user gets from calling parts of the trained model directly (no gathering)."""
+    ids = torch.tensor([[5, 17, 42, 99]])
+    with torch.no_grad():
+        embedded = model.get_input_embeddings()(ids)
+        mlp = model.model.layers[0].mlp(embedded)
+    return {"embedding": embedded.tolist(), "mlp": mlp.tolist()}
+
+
+def main() -> None:
+    out = Path(sys.argv[1])
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    result: dict = {"submodule": {}, "errors": {}}
+
+    plain = train(out, "ddp_per_rank", None, average_tokens_across_devices=False)
+    result["submodule"]["ddp"] = submodule_outputs(plain)
+    for stage in (0, 1, 2, 3):
+        model = train(out, f"s{stage}_per_rank", stage, average_tokens_across_devices=False)
+        if stage <= 1:
+            result["submodule"][f"s{stage}"] = submodule_outputs(model)
+
+    train(out, "ddp_default", None)
+    train(out, "s0_default", 0)
+
+    if importlib.util.find_spec("galore_torch") is None:  # not a test dependency: runs where installed
+        stage_runs = ()
+    else:
+        train(out, "ddp_galore", None, **GALORE)
+        stage_runs = (2, 3)
+    for stage in stage_runs:
+        try:
+            train(out, f"s{stage}_galore", stage, **GALORE)
+        except ShardedOptimizerError as err:
+            result["errors"][f"s{stage}_galore"] = str(err)
+
+    if torch.distributed.get_rank() == 0:
+        (out / "result.json").write_text(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,93 @@
+"""Trainer options that only show on more than one rank, against transformers' own Trainer under the
+same torchrun launch (plain DDP): ``average_tokens_across_devices=False`` at stages 0-3 and its
+default at stage 0, ``--optim galore_adamw`` with ``optim_target_modules`` at stages 2/3 (GaLore's
+SVD on ZeRO's sharded gradients), and submodules called directly after ``train()`` at stages 0/1.
+
+All runs share one 2-rank launch (``scripts/two_rank_options.py``; the GaLore runs only where
+galore_torch is installed) to keep CI short. Losses rtol 2e-4, gradient norms 2e-3 (both the
+Trainer's logged values), saved weights (``save_model``) rtol 1e-4.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from _run import REPO, logged_grad_norms, logged_losses, run
+
+pytestmark = pytest.mark.slow
+SCRIPT = REPO / "integration_tests" / "scripts" / "two_rank_options.py"
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("two_ranks")
+    run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(SCRIPT), str(out)],
+        timeout=400)
+    return out
+
+
+def _weights(folder: Path) -> dict[str, torch.Tensor]:
+    return load_file(folder / "model.safetensors")
+
+
+def assert_same_run(got: Path, want: Path) -> None:
+    """Same logged losses and gradient norms, same saved weights."""
+    assert len(logged_losses(got)) == len(logged_losses(want)) == 3
+    torch.testing.assert_close(logged_losses(got), logged_losses(want), rtol=2e-4, atol=0)
+    torch.testing.assert_close(logged_grad_norms(got), logged_grad_norms(want), rtol=2e-3, atol=0)
+    got_w, want_w = _weights(got), _weights(want)
+    assert got_w.keys() == want_w.keys()
+    for name, value in want_w.items():
+        assert got_w[name].dtype == value.dtype, name
+        torch.testing.assert_close(got_w[name], value, rtol=1e-4, atol=2e-5, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def _differ(a: Path, b: Path) -> float:
+    """Largest weight difference between two saved models."""
+    wa, wb = _weights(a), _weights(b)
+    return max(float((wa[n] - wb[n]).abs().max()) for n in wa)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_average_tokens_across_devices_false(runs, stage):
+    # The setting matters here: each rank's batch masks a different number of label tokens.
+    assert logged_grad_norms(runs / "ddp_per_rank") != pytest.approx(logged_grad_norms(runs / "ddp_default"), rel=1e-3)
+    assert _differ(runs / "ddp_per_rank", runs / "ddp_default") > 1e-5
+    assert_same_run(runs / f"s{stage}_per_rank", runs / "ddp_per_rank")
+
+
+def test_average_tokens_across_devices_default_at_stage_0(runs):
+    assert_same_run(runs / "s0_default", runs / "ddp_default")
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_galore_on_sharded_parameters(runs, stage):
+    """GaLore's projection runs on the whole gradient (DTensor redistributes it for the SVD), so the
+    training equals DDP's; were it refused, the ShardedOptimizerError would be in ``errors``."""
+    if importlib.util.find_spec("galore_torch") is None:
+        pytest.skip("galore_torch is not installed (pip install galore-torch)")
+    errors = json.loads((runs / "result.json").read_text())["errors"]
+    assert f"s{stage}_galore" not in errors, errors
+    # GaLore trained differently from plain AdamW (same other options): the projection was applied.
+    assert _differ(runs / "ddp_galore", runs / "ddp_default") > 1e-4
+    assert_same_run(runs / f"s{stage}_galore", runs / "ddp_galore")
+
+
+@pytest.mark.parametrize("stage", [0, 1])
+def test_submodule_called_after_train(runs, stage):
+    """As with the plain Trainer, the trained model's parts can be called directly at stages 0/1
+    (parameters are never sharded there): the same outputs as DDP's model, and the embedding rows
+    are the saved weights."""
+    outputs = json.loads((runs / "result.json").read_text())["submodule"]
+    got, want = outputs[f"s{stage}"], outputs["ddp"]
+    for part in ("embedding", "mlp"):
+        torch.testing.assert_close(torch.tensor(got[part]), torch.tensor(want[part]), rtol=1e-4, atol=2e-5)
+    rows = _weights(runs / f"s{stage}_per_rank")["model.embed_tokens.weight"][torch.tensor([[5, 17, 42, 99]])]
+    torch.testing.assert_close(torch.tensor(got["embedding"]), rows, rtol=0, atol=0)
