@@ -408,7 +408,9 @@ def _flags(model: nn.Module, group, device: torch.device) -> tuple[bool, bool]:
     return bool(flags[0]), bool(flags[1])
 
 
-def capture_full_state(model: nn.Module, mesh=None, *, sync_all: bool = True) -> dict[str, torch.Tensor] | None:
+def capture_full_state(
+    model: nn.Module, mesh=None, *, sync_all: bool = True, release_parameters: bool = False
+) -> dict[str, torch.Tensor] | None:
     """Collective; call before ``fully_shard``. On the source rank (rank 0 of the mesh) returns
     ``{name: tensor}`` aliasing its full parameters (no copy), ``{}`` on the other ranks; None in a
     single process, and None when ``sync_all`` is False and no rank has meta tensors (then
@@ -419,6 +421,11 @@ def capture_full_state(model: nn.Module, mesh=None, *, sync_all: bool = True) ->
             ranks hold real weights, so ranks that built different weights (a LoRA made before
             the Trainer seeds, per-process random seeds) start from one point, as DDP and
             DeepSpeed do. False: fill only ranks that hold meta tensors.
+        release_parameters: after the capture, every rank's parameters are replaced by meta
+            tensors of the same shape and dtype (tied ones stay tied; buffers are kept). Rank 0's
+            weights then live only in the returned dict, which the fill empties tensor by tensor,
+            and a dtype change made before ``fully_shard`` (the fp32 master cast) allocates
+            nothing: the shards take their dtype as they are filled.
 
     Raises:
         RuntimeError: the source rank itself has meta tensors (nothing to fill the others from).
@@ -439,9 +446,28 @@ def capture_full_state(model: nn.Module, mesh=None, *, sync_all: bool = True) ->
         )
     if not any_meta and not sync_all:
         return None
-    if _group_rank(group) != _SOURCE:
-        return {}
-    return {name: p.detach() for name, p in model.named_parameters()}
+    captured = {} if _group_rank(group) != _SOURCE else {name: p.detach() for name, p in model.named_parameters()}
+    if release_parameters:
+        _release_parameters(model)
+    return captured
+
+
+def _release_parameters(model: nn.Module) -> None:
+    """Replace every parameter by a meta tensor of its shape and dtype, keeping ties and the
+    parameter's attributes. New Parameter objects are fine here: ``fully_shard`` replaces them
+    with DTensor parameters right after anyway. Subclasses (quantized weights) are left alone;
+    :func:`_allocate_meta` and the fill treat a partly meta model as before."""
+    replacement: dict[int, nn.Parameter] = {}
+    for module in model.modules():
+        for key, param in list(module._parameters.items()):
+            if param is None or type(param) is not nn.Parameter or param.is_meta:
+                continue
+            new = replacement.get(id(param))
+            if new is None:
+                new = nn.Parameter(torch.empty_like(param, device="meta"), requires_grad=param.requires_grad)
+                new.__dict__.update(param.__dict__)
+                replacement[id(param)] = new
+            module._parameters[key] = new
 
 
 def fill_sharded_from_rank0(
@@ -491,7 +517,9 @@ def fill_sharded_from_rank0(
 
 
 @contextlib.contextmanager
-def sharded_from_rank0(model: nn.Module, mesh=None, *, sync_all: bool = True, **fill_kwargs: Any) -> Iterator[None]:
+def sharded_from_rank0(
+    model: nn.Module, mesh=None, *, sync_all: bool = True, release_parameters: bool = False, **fill_kwargs: Any
+) -> Iterator[None]:
     """Wrap the ``fully_shard`` calls: captures rank 0's full parameters on entry and fills every
     rank's shards on exit (see the module docstring). With ``sync_all=False``, a no-op beyond one
     tiny all-reduce when no rank holds meta tensors.
@@ -503,7 +531,7 @@ def sharded_from_rank0(model: nn.Module, mesh=None, *, sync_all: bool = True, **
                 fully_shard(block, mesh=mesh)
             fully_shard(model, mesh=mesh)
     """
-    full_state = capture_full_state(model, mesh, sync_all=sync_all)
+    full_state = capture_full_state(model, mesh, sync_all=sync_all, release_parameters=release_parameters)
     try:
         yield
     except BaseException:
@@ -552,9 +580,17 @@ def _offloaded_params(model: nn.Module) -> set[int]:
 
 
 def _allocate_meta(model: nn.Module, device: torch.device, param_device) -> None:
-    """Give meta parameters and buffers storage (uninitialised; filled next)."""
+    """Give meta parameters and buffers storage (uninitialised; filled next). Buffers that hold
+    data keep it: on the source rank they are what the fill broadcasts."""
     if not _has_meta_tensors(model):
         return
+    kept = [(m, k, b) for m in model.modules() for k, b in m._buffers.items() if b is not None and not b.is_meta]
+    _allocate(model, device, param_device)  # to_empty: every tensor gets new, uninitialised storage
+    for module, key, buf in kept:
+        module._buffers[key] = buf.to(module._buffers[key].device)
+
+
+def _allocate(model: nn.Module, device: torch.device, param_device) -> None:
     offloaded = _offloaded_params(model)
     target = torch.device(param_device) if param_device is not None else device
     if offloaded and param_device is None:

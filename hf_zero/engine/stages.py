@@ -271,18 +271,23 @@ class FullyShardedStage:
         lifted = lift_scalar_params(model)  # FSDP2 cannot shard 0-dim parameters
         if lifted and self.env.is_main:
             logger.info("hf_zero: 0-dim parameters stored as 1-element shards (saved as scalars): %s", ", ".join(lifted))
-        _log_cast(cast_to_master_dtypes(model, self.precision.compute_dtype, frozen_in_compute_dtype=True), self.env)
-        self.units = find_wrap_units(model)
-        if self.offload is not None:
-            kwargs.update(self.offload.prepare_fsdp(model, self.units))
-        kwargs.update(self.fsdp_extra)
-        # stage3_param_persistence_threshold: units whose parameters are all small stay gathered
-        # from forward to backward (fsdp_knobs.py says why per unit, not per parameter).
-        threshold = self.knobs.persistence_threshold
-        persistent = {id(u) for u in persistent_units(self.units, threshold)} if threshold is not None else set()
         # Every rank's shards come from rank 0: ranks that loaded on the meta device (low-memory
         # loading) and ranks that built other weights (per-process seeds) start where rank 0 does.
-        with sharded_from_rank0(model, mesh, sync_all=True):
+        # With several ranks, every rank's parameters go to the meta device on entry (rank 0 keeps
+        # its full tensors, as loaded, for the fill), so the fp32 master cast below allocates
+        # nothing: each shard is cast as rank 0 scatters it, and no rank ever holds a full fp32
+        # copy of the model (a 70B bf16 model would need 280 GB of host RAM on rank 0 for it).
+        with sharded_from_rank0(model, mesh, sync_all=True, release_parameters=True):
+            _log_cast(cast_to_master_dtypes(model, self.precision.compute_dtype, frozen_in_compute_dtype=True),
+                      self.env)
+            self.units = find_wrap_units(model)
+            if self.offload is not None:
+                kwargs.update(self.offload.prepare_fsdp(model, self.units))
+            kwargs.update(self.fsdp_extra)
+            # stage3_param_persistence_threshold: units whose parameters are all small stay gathered
+            # from forward to backward (fsdp_knobs.py says why per unit, not per parameter).
+            threshold = self.knobs.persistence_threshold
+            persistent = {id(u) for u in persistent_units(self.units, threshold)} if threshold is not None else set()
             for unit in self.units:
                 fully_shard(unit, **{**kwargs, "reshard_after_forward": False} if id(unit) in persistent else kwargs)
             fully_shard(model, **kwargs)

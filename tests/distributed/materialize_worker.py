@@ -12,6 +12,7 @@ against a normally loaded one. Every check is recorded (not asserted) per rank; 
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import json
 import os
@@ -92,6 +93,28 @@ def tied(model) -> bool:
     return base.lm_head.weight is base.get_input_embeddings().weight
 
 
+@contextlib.contextmanager
+def full_params_at_first_shard(model):
+    """Records, when hf_zero first calls torch's ``fully_shard``, how many bytes of ``model``'s
+    parameters are allocated whole on this rank (not meta, not yet a DTensor shard)."""
+    import torch.distributed.fsdp as fsdp
+
+    original = fsdp.fully_shard
+    held: list[int] = []
+
+    def recording(module, *args, **kwargs):
+        if not held:
+            held.append(sum(p.numel() * p.element_size() for p in model.parameters()
+                            if not p.is_meta and not hasattr(p, "placements")))
+        return original(module, *args, **kwargs)
+
+    fsdp.fully_shard = recording
+    try:
+        yield held
+    finally:
+        fsdp.fully_shard = original
+
+
 def run_plain(workdir: str, kind: str, bf16: bool = False, offload: bool = False) -> None:
     """from_pretrained under low_memory_loading -> hf_zero.initialize at stage 3 -> compare.
 
@@ -125,8 +148,14 @@ def run_plain(workdir: str, kind: str, bf16: bool = False, offload: bool = False
     ref_buffers = {n: b.clone() for n, b in ref.named_buffers()}
 
     t0 = time.perf_counter()
-    engine = hf_zero.initialize(model, config)
+    with full_params_at_first_shard(model) as held:
+        engine = hf_zero.initialize(model, config)
     TIMINGS[f"{name}/initialize"] = time.perf_counter() - t0
+    # Review F8: rank 0 used to upcast its whole model to fp32 before sharding (280 GB of host
+    # RAM for a 70B model); now every rank's parameters are meta by then and shards are cast as
+    # they are filled.
+    check(f"{name}/no_full_params_when_sharding", held and held[0] == 0,
+          f"bytes of full (unsharded, allocated) parameters at the first fully_shard: {held}")
     check(f"{name}/no_meta_after_wrap", not has_meta_params(model) and not any(b.is_meta for b in model.buffers()))
     check(f"{name}/tied_after_wrap", tied(model) == want_tied, f"tied={tied(model)}")
     saved = load_file(os.path.join(path, "model.safetensors"))

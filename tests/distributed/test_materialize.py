@@ -189,7 +189,8 @@ def test_two_ranks_fill_from_rank0(tmp_path):
     expected = [
         f"{m}/{c}"
         for m in ("qwen2_tied", "llama", "llama-bf16", "qwen2_tied-bf16-offload")
-        for c in ("meta_on_rank1_only", "tied_after_wrap", "weights_equal", "buffers/weights_equal", "logits_equal", "train_step")
+        for c in ("meta_on_rank1_only", "tied_after_wrap", "weights_equal", "buffers/weights_equal", "logits_equal", "train_step",
+                  "no_full_params_when_sharding")
     ] + ["qwen2_tied/lm_head_is_embedding", "broadcast/weights_equal", "noop/capture_is_none",
          "peft/lora_meta_on_rank1_only", "peft/weights_equal", "peft/base/weights_equal", "peft/logits_equal"] + [
         f"resize-{m}/{c}" for m in ("qwen2_tied", "llama")
