@@ -87,7 +87,7 @@ def test_notebook_runs_twice_in_one_kernel_and_its_adapter_loads(tmp_path, monke
     lora_b = [p for n, p in tuned.named_parameters() if "lora_B" in n]
     assert lora_b and all(p.abs().sum() > 0 for p in lora_b)  # peft starts B at zero: these trained
     tokenizer = AutoTokenizer.from_pretrained(out)
-    inputs = tokenizer(second["prompt"], return_tensors="pt")
+    inputs = tokenizer(second["prompt"], return_tensors="pt", return_token_type_ids=False)
     with torch.no_grad():
         generated = tuned.generate(**inputs, max_new_tokens=16, do_sample=False)
     assert generated[0, inputs["input_ids"].shape[1]:].tolist() == second["new_tokens"]
