@@ -144,7 +144,7 @@ def test_chatglm_lora_plain(tmp_path):
     out = tmp_path / "out"
     run_script(
         LORA_DIR / "finetune_hf.py",
-        "assets/data", "assets/tiny-qwen2", LORA_DIR / "configs" / "lora.yaml",
+        "assets/data", "assets/tiny-glm4", LORA_DIR / "configs" / "lora.yaml",
         "--output_dir", out,
         "--max_steps", "6",
         "--save_steps", "3",
@@ -162,9 +162,9 @@ def test_chatglm_lora_plain(tmp_path):
         assert not (folder / "model.safetensors").exists(), "a LoRA run saves the adapter only"
     adapter_cfg = json.loads((out / "adapter_config.json").read_text())
     assert adapter_cfg["r"] == 8 and adapter_cfg["lora_alpha"] == 32
-    assert adapter_cfg["base_model_name_or_path"] == "assets/tiny-qwen2"
+    assert adapter_cfg["base_model_name_or_path"] == "assets/tiny-glm4"
 
-    base = AutoModelForCausalLM.from_pretrained(ASSETS / "tiny-qwen2")
+    base = AutoModelForCausalLM.from_pretrained(ASSETS / "tiny-glm4")
     base_sd = {k: v.clone() for k, v in base.state_dict().items()}
     model = PeftModel.from_pretrained(base, out)
     lora_b = {n: p for n, p in model.named_parameters() if "lora_B" in n}
@@ -176,8 +176,8 @@ def test_chatglm_lora_plain(tmp_path):
         peft_key = key if key in plain else f"{module}.base_layer.{leaf}"
         torch.testing.assert_close(plain[peft_key], value, rtol=0, atol=0)
 
-    assert_generates(out, "类型#裙*颜色#蓝色*风格#清新*图案#蝴蝶结", ASSETS / "tiny-qwen2")
-    assert_generates(out / "checkpoint-3", "类型#裤*颜色#黑色*风格#简约*图案#条纹", ASSETS / "tiny-qwen2")
+    assert_generates(out, "类型#裙*颜色#蓝色*风格#清新*图案#蝴蝶结", ASSETS / "tiny-glm4")
+    assert_generates(out / "checkpoint-3", "类型#裤*颜色#黑色*风格#简约*图案#条纹", ASSETS / "tiny-glm4")
 
 
 # ----------------------------------------------------------------------------------- quick checks
@@ -198,6 +198,28 @@ def test_finetune_hf_argument_parsing():
         mod.parse_args(["d", "m", "c.yaml", "--not_a_training_arg", "1"])
 
 
+def test_finetune_hf_reads_advertisegen_and_chatglm3_conversations_alike():
+    """ChatGLM3's AdvertiseGen_fix records ({"conversations": [user, assistant]}) give the same
+    tokens and labels as the original AdvertiseGen records ({"content", "summary"})."""
+    from transformers import AutoTokenizer
+
+    mod = _load_module(LORA_DIR / "finetune_hf.py", "finetune_hf_formats")
+    tokenizer = AutoTokenizer.from_pretrained(ASSETS / "tiny-glm4")
+    records = [json.loads(line) for line in (ASSETS / "data" / "advertise_gen_tiny.jsonl").read_text().splitlines()[:3]]
+    plain = {"content": [r["content"] for r in records], "summary": [r["summary"] for r in records]}
+    conversations = {"conversations": [[{"role": "user", "content": r["content"]},
+                                        {"role": "assistant", "content": r["summary"]}] for r in records]}
+    a = mod.process_batch(plain, tokenizer, 64, 96)
+    b = mod.process_batch(conversations, tokenizer, 64, 96)
+    assert a == b
+    first = a["labels"][0]
+    n_prompt = first.count(-100)
+    assert 0 < n_prompt < len(first) and first[:n_prompt] == [-100] * n_prompt
+    assert tokenizer.decode(first[n_prompt:], skip_special_tokens=True) == records[0]["summary"]
+    with pytest.raises(ValueError, match="content/summary"):
+        mod.process_batch({"text": ["x"]}, tokenizer, 64, 96)
+
+
 @pytest.mark.slow
 def test_tiny_assets_regenerate_identically(tmp_path):
     """scripts/make_tiny_assets.py reproduces the committed data, tokenizer and weights."""
@@ -206,12 +228,18 @@ def test_tiny_assets_regenerate_identically(tmp_path):
 
     run_script(REPO / "scripts" / "make_tiny_assets.py", "--out", tmp_path)
     for rel in ("data/alpaca_tiny.json", "data/advertise_gen_tiny.jsonl", "data/advertise_gen_tiny_dev.jsonl",
-                "tiny-qwen2/tokenizer.json", "tiny-llama/tokenizer.json", "tiny-qwen2/chat_template.jinja"):
+                "tiny-qwen2/tokenizer.json", "tiny-llama/tokenizer.json", "tiny-glm4/tokenizer.json",
+                "tiny-qwen2/chat_template.jinja", "tiny-glm4/chat_template.jinja", "tiny-glm4/tokenizer_config.json"):
         assert (tmp_path / rel).read_bytes() == (ASSETS / rel).read_bytes(), rel
-    for model in ("tiny-qwen2", "tiny-llama"):
+    for model in ("tiny-qwen2", "tiny-llama", "tiny-glm4"):
         fresh, committed = load_file(tmp_path / model / "model.safetensors"), load_file(ASSETS / model / "model.safetensors")
         assert fresh.keys() == committed.keys()
         for key in fresh:
             assert torch.equal(fresh[key], committed[key]), f"{model}: {key}"
+    # the model's description, not the transformers version line, must match
+    for model in ("tiny-qwen2", "tiny-llama", "tiny-glm4"):
+        fresh, committed = (json.loads((root / model / "config.json").read_text()) for root in (tmp_path, ASSETS))
+        fresh.pop("transformers_version"), committed.pop("transformers_version")
+        assert fresh == committed, model
     records = json.loads((ASSETS / "data" / "alpaca_tiny.json").read_text())
     assert len(records) == 200 and all(set(r) == {"instruction", "input", "output"} for r in records)

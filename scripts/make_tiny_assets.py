@@ -9,8 +9,10 @@ deterministically (fixed seeds, no clocks, no network), and committed under ``as
 * ``assets/data/advertise_gen_tiny_dev.jsonl`` 20 more, for evaluation
 * ``assets/tiny-qwen2/``  Qwen2ForCausalLM (hidden 64, 2 layers, 4 heads, 2 kv heads, tied embeddings)
 * ``assets/tiny-llama/``  LlamaForCausalLM (same sizes, untied embeddings)
+* ``assets/tiny-glm4/``   Glm4ForCausalLM, GLM-4-0414's architecture (same sizes, untied embeddings, qkv bias,
+  fused gate_up_proj, partial rotary), the base model of examples/chatglm_lora/
 
-Both model folders carry the same tokenizer: a byte-level BPE (vocab 512) trained with the
+All model folders carry the same tokenizer: a byte-level BPE (vocab 512) trained with the
 ``tokenizers`` library on the two data sets, saved with ``save_pretrained`` so that
 ``AutoTokenizer.from_pretrained(folder)`` loads it offline. Model weights are random (seeded), not
 pretrained: fine-tuning starts at loss ~ ln(512) ~ 6.2 and falls visibly within a few steps.
@@ -195,7 +197,15 @@ def make_tokenizer(texts: list[str]):
 # --------------------------------------------------------------------------------------- models
 def make_model(kind: str, tokenizer):
     import torch
-    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    from transformers import (
+        GenerationConfig,
+        Glm4Config,
+        Glm4ForCausalLM,
+        LlamaConfig,
+        LlamaForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+    )
 
     common = dict(
         vocab_size=len(tokenizer),
@@ -218,6 +228,11 @@ def make_model(kind: str, tokenizer):
     elif kind == "llama":
         config = LlamaConfig(tie_word_embeddings=False, **common)
         cls = LlamaForCausalLM
+    elif kind == "glm4":
+        # GLM-4-0414 (transformers' native Glm4): q/k/v biases, one gate_up_proj, extra post-norms,
+        # rotary embedding on half of each head. head_dim is given because Glm4Config's default is 128.
+        config = Glm4Config(tie_word_embeddings=False, head_dim=16, attention_bias=True, **common)
+        cls = Glm4ForCausalLM
     else:
         raise ValueError(kind)
     torch.manual_seed(SEED)
@@ -263,7 +278,7 @@ def generate(out_dir: Path) -> list[Path]:
     write_jsonl(data_dir / "advertise_gen_tiny_dev.jsonl", adv_dev)
 
     tokenizer = make_tokenizer(tokenizer_corpus(alpaca, adv))
-    for kind, name in (("qwen2", "tiny-qwen2"), ("llama", "tiny-llama")):
+    for kind, name in (("qwen2", "tiny-qwen2"), ("llama", "tiny-llama"), ("glm4", "tiny-glm4")):
         folder = out_dir / name
         folder.mkdir(parents=True, exist_ok=True)
         model = make_model(kind, tokenizer)

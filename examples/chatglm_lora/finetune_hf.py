@@ -2,14 +2,16 @@
 """LoRA fine-tuning in the style of ChatGLM3's finetune_demo/finetune_hf.py (simplified).
 
 An ordinary Hugging Face script: peft ``get_peft_model`` + ``transformers.Seq2SeqTrainer``; nothing
-from hf_zero is imported. The base model is any causal LM; the committed default is
-``assets/tiny-qwen2`` (a GLM architecture is not needed to exercise the pipeline).
+from hf_zero is imported. The base model is any causal LM folder: a GLM-4 checkpoint
+(``THUDM/glm-4-9b-chat-hf``, ``THUDM/GLM-4-9B-0414``: transformers' native Glm/Glm4 classes), ChatGLM3
+with ``--trust_remote_code``, or the committed tiny GLM-4 ``assets/tiny-glm4`` (random weights).
 
     python finetune_hf.py DATA_DIR MODEL_DIR CONFIG_FILE [DS_CONFIG] [--zero_config PATH | --deepspeed PATH]
                           [--<any Seq2SeqTrainingArguments field> VALUE ...]
 
-DATA_DIR holds the files named in CONFIG_FILE's ``data_config`` (AdvertiseGen jsonl:
-``{"content": "类型#裙*颜色#蓝色*...", "summary": "..."}``). DS_CONFIG (positional, as in the ChatGLM3
+DATA_DIR holds the files named in CONFIG_FILE's ``data_config``, one JSON record a line: AdvertiseGen
+(``{"content": "类型#裙*颜色#蓝色*...", "summary": "..."}``) or ChatGLM3's converted AdvertiseGen_fix
+(``{"conversations": [{"role": "user", ...}, {"role": "assistant", ...}]}``). DS_CONFIG (positional, as in the ChatGLM3
 tutorial command) and ``--zero_config``/``--deepspeed`` all name the ZeRO/DeepSpeed JSON; it is handed
 to the training arguments (``deepspeed=``, or ``zero_config=`` when the arguments class has that field).
 Trailing ``--key value`` pairs override ``training_args`` from the YAML, e.g. ``--max_steps 6``.
@@ -137,13 +139,30 @@ def build_prompt(tokenizer, content: str) -> str:
     )
 
 
+def prompt_and_answer(batch: dict[str, list], tokenizer) -> list[tuple[str, str]]:
+    """(rendered prompt, answer) per record: AdvertiseGen's content/summary, or a ChatGLM3-style
+    conversation whose last assistant turn is the answer and whose earlier turns make the prompt."""
+    if "conversations" in batch:
+        pairs = []
+        for turns in batch["conversations"]:
+            *history, last = turns
+            if last["role"] != "assistant":
+                raise ValueError(f"a conversation must end with an assistant turn, got {last['role']!r}: {turns}")
+            pairs.append((tokenizer.apply_chat_template(history, add_generation_prompt=True, tokenize=False),
+                          last["content"]))
+        return pairs
+    if "content" not in batch or "summary" not in batch:
+        raise ValueError(f"records need content/summary (AdvertiseGen) or conversations; got {sorted(batch)}")
+    return [(build_prompt(tokenizer, c), s) for c, s in zip(batch["content"], batch["summary"])]
+
+
 def process_batch(batch: dict[str, list], tokenizer, max_input_length: int, max_output_length: int):
     """Prompt tokens are masked with IGNORE_INDEX; the answer and its end token are learned."""
     end_ids = tokenizer.convert_tokens_to_ids(["<|im_end|>"]) if "<|im_end|>" in tokenizer.get_vocab() else []
     end_ids = end_ids + [tokenizer.eos_token_id]
     batched_input_ids, batched_labels = [], []
-    for content, summary in zip(batch["content"], batch["summary"]):
-        prompt_ids = tokenizer(build_prompt(tokenizer, content), add_special_tokens=False).input_ids
+    for prompt, summary in prompt_and_answer(batch, tokenizer):
+        prompt_ids = tokenizer(prompt, add_special_tokens=False).input_ids
         answer_ids = tokenizer(summary, add_special_tokens=False).input_ids
         prompt_ids = prompt_ids[:max_input_length]
         answer_ids = answer_ids[: max_output_length - len(end_ids)] + end_ids
@@ -170,6 +189,27 @@ def load_split(data_dir: Path, name: str | None, tokenizer, cfg) -> Dataset | No
 
 
 # ------------------------------------------------------------------------------------------ main
+def where_the_model_went(output_dir: str, is_adapter: bool) -> str:
+    """The closing lines on rank 0: where the result is and how to load it or generate with it."""
+    def shown(path: str) -> str:  # relative to where the user is, unless that means climbing out
+        rel = os.path.relpath(os.path.abspath(path))
+        return os.path.abspath(path) if rel.startswith("..") else rel
+
+    out = shown(output_dir)
+    inference = shown(os.path.join(os.path.dirname(os.path.abspath(__file__)), "inference_hf.py"))
+    checkpoints = sorted((p for p in Path(output_dir).glob("checkpoint-*") if p.name.split("-")[-1].isdigit()),
+                         key=lambda p: int(p.name.split("-")[-1]))
+    what = ("LoRA adapter is in {}/ (adapter_config.json, adapter_model.safetensors, tokenizer)" if is_adapter
+            else "model is in {}/ (safetensors weights, config.json, tokenizer)")
+    load = (f"peft.AutoPeftModelForCausalLM.from_pretrained({out!r})" if is_adapter
+            else f"transformers.AutoModelForCausalLM.from_pretrained({out!r})")
+    lines = ["\nThe fine-tuned " + what.format(out), f"  Load it:  {load}",
+             f"  Try it:   python {inference} {out} --prompt \"类型#裙*颜色#蓝色*风格#清新*图案#蝴蝶结\""]
+    if checkpoints:
+        lines.append(f"  A checkpoint works the same way: python {inference} {shown(str(checkpoints[-1]))} --prompt ...")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> None:
     cli, overrides = parse_args(argv)
     cfg = load_ft_config(cli.config_file, overrides, cli.zero_config or cli.ds_config)
@@ -210,6 +250,8 @@ def main(argv: list[str] | None = None) -> None:
     trainer.train(resume_from_checkpoint=resume)
     trainer.save_state()
     trainer.save_model()  # the adapter (adapter_config.json + adapter_model.safetensors) + tokenizer
+    if trainer.is_world_process_zero():
+        print(where_the_model_went(training_args.output_dir, cfg["peft_config"] is not None), flush=True)
 
     test_file = data_config.get("test_file")
     if test_file:
