@@ -28,12 +28,18 @@ import warnings as _warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from hf_zero.utils.host_memory import (  # noqa: F401 -- re-exported: the report's parsers
+    cgroup_memory,
+    parse_cgroup_limit,
+    parse_meminfo,
+    parse_proc_self_cgroup,
+)
+
 __all__ = ["EnvReport", "check_o_direct", "collect_env", "environment_variables", "find_mount", "format_bytes",
            "parse_cgroup_limit", "parse_meminfo", "parse_nvidia_smi_csv", "parse_proc_self_cgroup", "render_text"]
 
 TIMEOUT_S = 10.0  # longest wait for one nvidia-smi call or for the whole NVMe probe
 SHM_MIN_BYTES = 2**30  # a smaller /dev/shm gets a warning (Docker's default is 64 MiB)
-NO_LIMIT_BYTES = 2**62  # cgroup v1 writes "no limit" as a page-rounded 2**63 - 1
 PACKAGES = ("transformers", "accelerate", "peft", "safetensors", "datasets", "deepspeed")
 ENV_NAMES = ("CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", "OMP_NUM_THREADS", "MKL_NUM_THREADS",
              "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF",
@@ -67,40 +73,6 @@ class EnvReport:
     def to_json(self, indent: int | None = 2) -> str:
         """The report as JSON text (what ``hf-zero env --json`` prints)."""
         return json.dumps(self.to_dict(), indent=indent)
-
-
-def parse_meminfo(text: str) -> dict[str, int]:
-    """``/proc/meminfo`` text as ``{field: value}``: ``kB`` values in bytes, unit-less counts as is."""
-    out: dict[str, int] = {}
-    for line in text.splitlines():
-        name, sep, rest = line.partition(":")
-        parts = rest.split()
-        if sep and parts and parts[0].isdigit():
-            out[name.strip()] = int(parts[0]) * (1024 if parts[1:2] == ["kB"] else 1)
-    return out
-
-
-def parse_cgroup_limit(text: str) -> int | None:
-    """A cgroup memory limit (v2 ``memory.max``, v1 ``memory.limit_in_bytes``) in bytes, or ``None``
-    for no limit (``max``, or v1's huge sentinel). Raises ``ValueError`` for anything else."""
-    value = text.strip()
-    if value == "max":
-        return None
-    limit = int(value)
-    return None if limit >= NO_LIMIT_BYTES else limit
-
-
-def parse_proc_self_cgroup(text: str) -> dict[str, str]:
-    """``/proc/self/cgroup`` as ``{"v2": path, "memory": path}`` for the hierarchies present
-    (``0::/path`` is cgroup v2; ``N:...memory...:/path`` is the v1 memory controller)."""
-    out: dict[str, str] = {}
-    for line in text.splitlines():
-        parts = line.strip().split(":", 2)
-        if len(parts) == 3 and parts[0] == "0" and parts[1] == "":
-            out["v2"] = parts[2]
-        elif len(parts) == 3 and "memory" in parts[1].split(","):
-            out["memory"] = parts[2]
-    return out
 
 
 def find_mount(path: str, mounts_text: str) -> dict[str, str] | None:
@@ -213,18 +185,8 @@ def check_o_direct(directory: str) -> str:
 
 
 def _cgroup_memory_limit() -> tuple[int | None, str]:
-    """The tightest memory limit on this process's cgroup and its ancestors (v2, else v1), and the
-    file it came from: schedulers (Slurm) limit a parent and leave the leaf at ``max``."""
-    own = parse_proc_self_cgroup(_read("/proc/self/cgroup"))
-    for base, key, name in (("/sys/fs/cgroup", "v2", "memory.max"),
-                            ("/sys/fs/cgroup/memory", "memory", "memory.limit_in_bytes")):
-        parts = [p for p in own.get(key, "/").split("/") if p]
-        files = [os.path.join(base, *parts[:k], name) for k in range(len(parts), -1, -1)]
-        found = [(parse_cgroup_limit(_read(f)), f) for f in files if os.path.isfile(f)]
-        limited = [(limit, f) for limit, f in found if limit is not None]
-        if found:
-            return min(limited) if limited else (None, found[0][1])
-    raise FileNotFoundError("no cgroup memory.max or memory.limit_in_bytes")
+    cg = cgroup_memory()
+    return cg.limit, cg.source
 
 
 def _versions(torch: Any, cuda_available: bool) -> dict[str, str]:

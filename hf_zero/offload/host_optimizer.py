@@ -69,6 +69,7 @@ from hf_zero.offload.host_layout import (
 from hf_zero.offload.nvme_chunks import _NvmeChunks
 from hf_zero.offload.optimizer_checkpoint import _OptimizerCheckpoint
 from hf_zero.offload.owner_broadcast import _OwnerBroadcast
+from hf_zero.offload.pinned import HostArena, planned_pinned_bytes, pinning_fits
 
 __all__ = ["OffloadedOptimizer"]
 
@@ -153,6 +154,8 @@ class OffloadedOptimizer(_NvmeChunks, _OptimizerCheckpoint, _OwnerBroadcast, tor
         self.chunks: list[_Chunk] = []
         self._slot_of: dict[int, _Slot] = {}
         self.host_steps = 0
+        self._arenas: list[HostArena] = []  # gradient and master buffers (pinned when configured)
+        self.pinned = False
 
         error: BaseException | None = None
         try:
@@ -172,37 +175,45 @@ class OffloadedOptimizer(_NvmeChunks, _OptimizerCheckpoint, _OwnerBroadcast, tor
         self._state_keys, self._state_other = _probe_state(self._build, self._host_hyper(0), self._inner_cls)
         splittable = issubclass(self._inner_cls, _elementwise_classes())
 
-        for gi, group in enumerate(self.param_groups):
-            for p in group["params"]:
-                if id(p) not in host_ids:
-                    continue
-                local = _local(p)
-                setting = f"{_SETTING}.pin_memory"
-                grad = alloc_host(local.numel(), torch.float32, pin=self._pin, setting=setting)
-                slot = _Slot(
-                    name=self._names.get(id(p), f"param{len(self.slots)}"),
-                    param=p,
-                    group=gi,
-                    local_shape=local.shape,
-                    numel=local.numel(),
-                    like=p,
-                    grad=grad,
+        setting = f"{_SETTING}.pin_memory"
+        owned = [(gi, p, _local(p)) for gi, group in enumerate(self.param_groups)
+                 for p in group["params"] if id(p) in host_ids]
+        # One arena per kind instead of one pinned buffer per parameter (review F9): the host
+        # caching allocator rounds each allocation to a power of two and never gives it back.
+        numels = [local.numel() for _, _, local in owned]
+        pin = self._pin and accel.pin_available()
+        if pin:
+            planned = planned_pinned_bytes([4 * n for n in numels]) * (1 if self._nvme else 2)
+            pin = pinning_fits(planned, setting)
+        self.pinned = pin
+        grads = HostArena(numels, torch.float32, pin=pin, setting=setting)
+        masters = None if self._nvme else HostArena(numels, torch.float32, pin=pin, setting=setting)
+        self._arenas = [a for a in (grads, masters) if a is not None]
+        for i, (gi, p, local) in enumerate(owned):
+            slot = _Slot(
+                name=self._names.get(id(p), f"param{len(self.slots)}"),
+                param=p,
+                group=gi,
+                local_shape=local.shape,
+                numel=local.numel(),
+                like=p,
+                grad=grads.views[i],
+            )
+            master = plan.masters.get(id(p))
+            if master is None:
+                master = local.detach()
+            master = master.reshape(-1)
+            if master.numel() != slot.numel:
+                raise OffloadError(
+                    f"{slot.name}: captured master has {master.numel()} elements, the shard {slot.numel}"
                 )
-                master = plan.masters.get(id(p))
-                if master is None:
-                    master = local.detach()
-                master = master.reshape(-1)
-                if master.numel() != slot.numel:
-                    raise OffloadError(
-                        f"{slot.name}: captured master has {master.numel()} elements, the shard {slot.numel}"
-                    )
-                if self._nvme:
-                    slot.master = master.to("cpu", torch.float32)  # written to NVMe below, then dropped
-                else:
-                    slot.master = alloc_host(slot.numel, torch.float32, pin=self._pin, setting=setting)
-                    slot.master.copy_(master)
-                self.slots.append(slot)
-                self._slot_of[id(p)] = slot
+            if masters is None:
+                slot.master = master.to("cpu", torch.float32)  # written to NVMe below, then dropped
+            else:
+                slot.master = masters.views[i]
+                slot.master.copy_(master)
+            self.slots.append(slot)
+            self._slot_of[id(p)] = slot
         self._plan_chunks(splittable)
 
         device_groups = []

@@ -293,7 +293,9 @@ class OffloadManager:
         if self.param_cfg.device != "none":
             from hf_zero.offload.param_offload import fsdp_cpu_offload_policy
 
-            kwargs["offload_policy"] = fsdp_cpu_offload_policy(self.param_cfg)
+            half = self.precision.compute_dtype in (torch.float16, torch.bfloat16)
+            kwargs["offload_policy"] = fsdp_cpu_offload_policy(
+                self.param_cfg, model, self.env.world_size, 2 if half else None)
         return kwargs
 
     def _to_compute_dtype(self, model: nn.Module) -> None:

@@ -54,7 +54,9 @@ from dataclasses import dataclass
 import torch
 
 from hf_zero.config.schema import AioConfig
+from hf_zero.distributed import device as accel
 from hf_zero.offload.base import OffloadError, alloc_host
+from hf_zero.offload.pinned import pinning_fits, pow2_ceil
 from hf_zero.offload.swap_ownership import OWNER_FILE, claim, release, take_if_abandoned
 
 __all__ = [
@@ -269,6 +271,8 @@ class BufferPool:
         self.nbytes = round_up(max(nbytes, 1))
         self._free: list[torch.Tensor] = []
         self._cond = threading.Condition()
+        if pin and accel.pin_available():  # each buffer one rounded allocation (+ALIGN to align it)
+            pin = pinning_fits(count * pow2_ceil(self.nbytes + ALIGN), setting)
         self.buffers = [alloc_host(self.nbytes, torch.uint8, pin=pin, setting=setting, align=ALIGN) for _ in range(count)]
         self._free = list(self.buffers)
 

@@ -38,6 +38,7 @@ from torch import nn
 from hf_zero.config.schema import AioConfig, OffloadParamConfig
 from hf_zero.distributed import device as accel
 from hf_zero.offload.base import OffloadError, TierReport, empty_report, nbytes
+from hf_zero.offload.pinned import pinning_fits, pow2_ceil
 
 __all__ = ["CpuParamOffload", "NvmeParamSwapper", "fsdp_cpu_offload_policy"]
 
@@ -46,12 +47,21 @@ logger = logging.getLogger("hf_zero")
 _SETTING = "zero_optimization.offload_param"
 
 
-def fsdp_cpu_offload_policy(cfg: OffloadParamConfig):
-    """FSDP2's ``CPUOffloadPolicy``; pinned host memory only when asked for and a GPU is present.
+def fsdp_cpu_offload_policy(cfg: OffloadParamConfig, model: nn.Module | None = None, world_size: int = 1,
+                            compute_itemsize: int | None = None):
+    """FSDP2's ``CPUOffloadPolicy``; pinned host memory only when asked for, a GPU is present and
+    the shards fit the host's headroom (:func:`~hf_zero.offload.pinned.pinning_fits`).
 
     With ``device = "nvme"`` the host shards stay pageable whatever ``pin_memory`` says: the
     swapper frees a shard by resizing its storage to zero, and pinned storage (``pin_memory()``)
     cannot be resized ("Trying to resize storage that is not resizable", seen on an H100).
+
+    Args:
+        model: the model about to be sharded, to size the pinned shards (not checked without it).
+        world_size: ranks the parameters are sharded over.
+        compute_itemsize: bytes per element of the 16-bit copies the shards become after
+            sharding (``OffloadManager._to_compute_dtype``); FSDP2 pins those anew, and the
+            allocator keeps the fp32 blocks cached, so both count.
     """
     from torch.distributed.fsdp import CPUOffloadPolicy
 
@@ -60,7 +70,22 @@ def fsdp_cpu_offload_policy(cfg: OffloadParamConfig):
         logger.info("hf_zero: %s.pin_memory is not applied to NVMe-swapped parameter shards "
                     "(their host storage is freed and re-made on every swap)", _SETTING)
         pin = False
+    if pin and model is not None:
+        pin = pinning_fits(planned_shard_bytes(model, world_size, compute_itemsize), f"{_SETTING}.pin_memory")
     return CPUOffloadPolicy(pin_memory=pin)
+
+
+def planned_shard_bytes(model: nn.Module, world_size: int, compute_itemsize: int | None = None) -> int:
+    """Pinned bytes FSDP2 reserves for ``model``'s offloaded shards: one ``pin_memory()`` per
+    shard (dim 0 padded to a multiple of ``world_size``), each rounded to a power of two."""
+    total = 0
+    for p in model.parameters():
+        rows = -(-p.shape[0] // world_size) if p.dim() else 1
+        numel = rows * (p[0].numel() if p.dim() > 1 else 1)
+        total += pow2_ceil(numel * p.element_size())
+        if compute_itemsize and p.is_floating_point() and p.element_size() != compute_itemsize:
+            total += pow2_ceil(numel * compute_itemsize)
+    return total
 
 
 def _sharded_params(model: nn.Module) -> list[nn.Parameter]:

@@ -1,0 +1,190 @@
+"""Pinned host memory (review F9): planned with the host caching allocator's power-of-two rounding,
+checked against the container's headroom before anything is pinned, and taken in a few blocks.
+
+The rounding rule is torch's own (``ATen/core/CachingHostAllocator.h``: ``PowerOf2Ceil(size)`` for
+every pinned allocation unless ``pinned_max_round_threshold`` is set, and freed blocks stay
+cached). The engine runs under the fake accelerator (tests/fake_accelerator.py), which records
+every pinned allocation.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+
+import hf_zero
+from hf_zero.checkpoint.export16 import gather_full_state_dict
+from hf_zero.distributed import device as accel
+from hf_zero.offload import pinned
+from hf_zero.offload.pinned import (
+    HostArena,
+    plan_blocks,
+    planned_pinned_bytes,
+    pinning_fits,
+    pow2_ceil,
+    rounded_per_buffer_bytes,
+)
+from hf_zero.utils.host_memory import cgroup_memory, host_headroom
+from tests.fake_accelerator import NoAccelerator, fake_accelerator
+
+MiB = 1 << 20
+
+
+def test_pow2_ceil_is_the_allocators_rounding():
+    assert [pow2_ceil(n) for n in (0, 1, 2, 3, 4, 5, 4096, 4097)] == [0, 1, 2, 4, 4, 8, 4096, 8192]
+
+
+def test_blocks_are_powers_of_two_filled_largest_first():
+    # 3 + 3 MiB fill a 8 MiB block only up to 6; the next 3 MiB does not fit and opens the last
+    # block, which is the power of two of what it holds (3 MiB -> 4 MiB).
+    assert plan_blocks([3 * MiB, 3 * MiB, 3 * MiB], block=8 * MiB) == [8 * MiB, 4 * MiB]
+    # largest first: the 1 MiB buffers fill the 6 MiB one's block
+    blocks, places = pinned.plan_layout([1 * MiB, 6 * MiB, 1 * MiB], block=8 * MiB)
+    assert blocks == [8 * MiB] and places == [(0, 6 * MiB), (0, 0), (0, 7 * MiB)]
+    # a buffer larger than the block size widens every block to its own power of two
+    assert plan_blocks([5 * MiB, 1 * MiB], block=4 * MiB) == [8 * MiB]
+    # each view starts 64-byte aligned: 10 bytes take 64
+    assert plan_blocks([10, 10]) == [128]
+    assert plan_blocks([]) == []
+
+
+def test_arena_on_a_7b_shaped_shard_costs_a_fraction_of_per_buffer_pinning():
+    """Qwen2-7B's parameters (hidden 3584, MLP 18944, 28 layers, vocab 152064, KV 512), fp32
+    shards of 2 ranks: one pinned buffer each is rounded to ~1.5x the bytes; the arena to less than
+    1.1x (its blocks are as large as the largest shard, the embedding's 1 GiB, rounded to 2 GiB)."""
+    h, mlp, kv, vocab = 3584, 18944, 512, 152064
+    layer = [h * h, h, h * kv, kv, h * kv, kv, h * h, h * mlp, h * mlp, mlp * h, h, h]
+    numels = [vocab * h] + layer * 28 + [h, vocab * h]
+    sizes = [4 * -(-n // 2) for n in numels]
+    raw = sum(sizes)
+    arena = planned_pinned_bytes(sizes)
+    each = rounded_per_buffer_bytes(sizes)
+    assert raw <= arena < 1.1 * raw, arena / raw
+    assert each > 1.4 * raw, each / raw  # what per-parameter pinning reserved
+    print(f"raw {raw / 2**30:.2f} GiB, per-buffer {each / 2**30:.2f} GiB, arena {arena / 2**30:.2f} GiB")
+
+
+def test_arena_views_are_separate_and_zeroed():
+    arena = HostArena([3, 5, 0, 7], torch.float32, pin=False, setting="x")
+    for i, v in enumerate(arena.views):
+        assert v.dtype == torch.float32 and v.numel() == [3, 5, 0, 7][i] and v.is_contiguous()
+        assert torch.equal(v, torch.zeros_like(v))
+        v.fill_(i + 1)
+    assert [float(v.sum()) for v in arena.views] == [3.0, 10.0, 0.0, 28.0]  # no overlap
+    assert all(v.data_ptr() % 64 == 0 for v in arena.views if v.numel())
+
+
+def test_pinning_fits_compares_the_node_total_with_the_headroom(caplog):
+    assert pinning_fits(4 * MiB, "offload_optimizer.pin_memory", headroom=(100 * MiB, "test"), ranks=2)
+    assert pinning_fits(4 * MiB, "s", headroom=(None, "unknown"), ranks=8)  # nothing to check against
+    with caplog.at_level(logging.WARNING, logger="hf_zero"):
+        ok = pinning_fits(40 * MiB, "offload_optimizer.pin_memory", headroom=(100 * MiB, "the container's limit"),
+                          ranks=4)
+    assert not ok
+    text = caplog.text
+    assert "offload_optimizer.pin_memory" in text and "160.0 MiB" in text and "pageable" in text, text
+    assert "the container's limit" in text
+
+
+def _tree(root: Path, files: dict[str, str]) -> str:
+    for rel, text in files.items():
+        path = root / rel.lstrip("/")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    return str(root)
+
+
+def test_headroom_is_the_tighter_of_memavailable_and_the_cgroup(tmp_path):
+    # Slurm/Kubernetes style: the job's cgroup (a) is limited to 1 GiB, the leaf (a/b) is "max".
+    root = _tree(tmp_path, {
+        "/proc/self/cgroup": "0::/a/b\n",
+        "/proc/meminfo": "MemTotal: 16777216 kB\nMemAvailable: 8388608 kB\n",
+        "/sys/fs/cgroup/a/memory.max": str(1 << 30),
+        "/sys/fs/cgroup/a/memory.current": str(768 * MiB),
+        "/sys/fs/cgroup/a/b/memory.max": "max",
+        "/sys/fs/cgroup/memory.max": "max",
+    })
+    cg = cgroup_memory(root)
+    assert cg.limit == 1 << 30 and cg.usage == 768 * MiB and cg.source.endswith("/a/memory.max")
+    assert host_headroom(root) == (256 * MiB, f"the container's memory limit minus its usage ({cg.source})")
+    # no cgroup limit: MemAvailable bounds it
+    root2 = _tree(tmp_path / "free", {"/proc/self/cgroup": "0::/\n", "/proc/meminfo": "MemAvailable: 1024 kB\n",
+                                      "/sys/fs/cgroup/memory.max": "max"})
+    assert host_headroom(root2) == (1 << 20, "MemAvailable in /proc/meminfo")
+
+
+# ---------------------------------------------------------------------------- the engine, pinned
+def _train(cfg: dict) -> tuple[list[float], dict[str, torch.Tensor]]:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=2, num_key_value_heads=1))
+    engine = hf_zero.initialize(model, cfg)
+    gen = torch.Generator().manual_seed(1)
+    losses = []
+    try:
+        for _ in range(3):
+            ids = torch.randint(0, 64, (2, 8), generator=gen)
+            loss = engine(input_ids=ids, labels=ids).loss
+            engine.backward(loss)
+            engine.step()
+            losses.append(float(loss.detach()))
+        weights = {k: v.float().clone() for k, v in gather_full_state_dict(engine).items()}
+    finally:
+        engine.close()
+    return losses, weights
+
+
+def _config(stage: int, param: bool = False) -> dict:
+    zo: dict = {"stage": stage, "offload_optimizer": {"device": "cpu", "pin_memory": True}}
+    if param:
+        zo["offload_param"] = {"device": "cpu", "pin_memory": True}
+    return {"zero_optimization": zo, "train_micro_batch_size_per_gpu": 2,
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}}
+
+
+def _recording(fake) -> list[int]:
+    sizes: list[int] = []
+    original = fake.pinned_empty
+
+    def pinned_empty(nbytes: int) -> torch.Tensor:
+        sizes.append(nbytes)
+        return original(nbytes)
+
+    fake.pinned_empty = pinned_empty
+    return sizes
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_offloaded_optimizer_pins_one_block_per_kind(stage):
+    """Gradients and fp32 masters of every offloaded parameter: 2 pinned allocations (were 2 per
+    parameter: 42 for this model), training unchanged."""
+    with accel.use_runtime(NoAccelerator()):
+        plain = _train(_config(stage))
+    with fake_accelerator() as fake:
+        sizes = _recording(fake)
+        got = _train(_config(stage))
+    assert len(sizes) == 2 and all(s == pow2_ceil(s) for s in sizes), sizes
+    assert got[0] == plain[0]
+    for name, value in plain[1].items():
+        assert torch.equal(got[1][name], value), name
+
+
+def test_no_pinning_when_the_plan_does_not_fit(monkeypatch, caplog):
+    """A headroom smaller than the plan: pageable buffers and a warning instead of an OOM kill;
+    the same training."""
+    with accel.use_runtime(NoAccelerator()):
+        plain = _train(_config(3, param=True))
+    monkeypatch.setattr(pinned, "host_headroom", lambda: (64 << 10, "the container's memory limit minus its usage"))
+    with fake_accelerator() as fake, caplog.at_level(logging.WARNING, logger="hf_zero"):
+        sizes = _recording(fake)
+        got = _train(_config(3, param=True))
+    assert sizes == [], f"pinned {sizes} although the plan did not fit"
+    assert "offload_optimizer.pin_memory" in caplog.text and "offload_param.pin_memory" in caplog.text, caplog.text
+    assert got[0] == plain[0]
+    for name, value in plain[1].items():
+        assert torch.equal(got[1][name], value), name
