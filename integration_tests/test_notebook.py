@@ -1,5 +1,9 @@
 """examples/notebook/finetune_in_notebook.ipynb, executed the way Jupyter executes it.
 
+What ``jupyter execute examples/notebook/finetune_in_notebook.ipynb`` does (docs/notebooks.md shows
+that command; it is nbclient's), here through nbclient's ``NotebookClient`` so that the test can
+run the notebook twice in one kernel and read the kernel's variables afterwards.
+
 A real kernel (ipykernel, started by nbclient as Jupyter starts one) runs every cell, then every
 cell again in the same kernel: the second pass must not fail because the first left a process
 group behind, and it must train the same way. The test then loads the saved adapter itself, with
