@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import warnings
 from pathlib import Path
@@ -149,3 +150,67 @@ def test_unknown_key_lists_known_keys_only_when_short_and_without_duplicates():
     message = str(err.value)
     known = message.split("keys known here: ")[1].split(" (parse")[0].split(", ")
     assert len(known) == len(set(known)) and "enabled" in known
+
+
+# Each key table of the parser (hf_zero/config/fields.py) -> the section of docs/config_reference.md
+# that must have a line for each of its keys, and the prefix the page may write before a key.
+# test_config_parse.py checks that each key appears somewhere on the page; this checks that it
+# appears, in backticks, in its own section, so that a key added to a table without a line in the
+# reference (or documented under the wrong section) fails.
+def _reference_tables():
+    from hf_zero.config import fields as F
+
+    return {
+        "## Top level": [("", F._TOP), ("", F._TOP_ALIASES)],
+        "## `fp16` and `bf16`": [("fp16.", F._FP16), ("bf16.", F._BF16)],
+        "## `optimizer`": [("", params) for params in F._OPTIMIZER_PARAMS.values()],
+        "## `scheduler`": [("", params) for params in F._SCHEDULER_PARAMS.values()],
+        "## `zero_optimization`": [("", F._ZERO), ("", F._ZERO_ALIASES), ("", dict.fromkeys(F._ZERO_LEGACY_OFFLOAD))],
+        "### `offload_optimizer`": [("", F._OFFLOAD_OPTIMIZER)],
+        "### `offload_param`": [("", F._OFFLOAD_PARAM)],
+        "## `aio` (NVMe offload)": [("", F._AIO), ("", F._AIO_ALIASES)],
+        "## `checkpoint`, `activation_checkpointing`, monitors": [
+            ("checkpoint.", F._CHECKPOINT), ("activation_checkpointing.", F._ACT_CKPT),
+            *((f"{name}.", keys) for name, keys in F._MONITORS.items())],
+    }
+
+
+def _section(page: str, heading: str) -> str:
+    """``heading``'s section of ``page``: up to the next heading of the same or a higher level."""
+    start = page.index(heading + "\n")
+    level = len(heading.split(" ", 1)[0])
+    following = re.compile(r"^#{1,%d} " % level, re.M).search(page, start + len(heading) + 1)
+    return page[start:following.start() if following else len(page)]
+
+
+def _undocumented(page: str) -> list[str]:
+    from hf_zero.config import fields as F
+    from hf_zero.config.refused import UNSUPPORTED_OPTIMIZERS
+
+    missing = []
+    for heading, tables in _reference_tables().items():
+        text = _section(page, heading)
+        for prefix, keys in tables:
+            missing += [f"{heading}: {prefix}{key}" for key in keys
+                        if f"`{key}`" not in text and f"`{prefix}{key}`" not in text]
+    optimizer = _section(page, "## `optimizer`").lower()  # types are case-insensitive
+    missing += [f"optimizer type {t}" for t in [*F._OPTIMIZER_PARAMS, *UNSUPPORTED_OPTIMIZERS] if f"`{t}`" not in optimizer]
+    scheduler = _section(page, "## `scheduler`")  # types are case-sensitive
+    missing += [f"scheduler type {t}" for t in F._SCHEDULER_PARAMS if f"`{t}`" not in scheduler]
+    return missing
+
+
+def test_every_parser_key_has_a_line_in_its_section_of_the_reference():
+    assert _undocumented((REPO / "docs" / "config_reference.md").read_text()) == []
+
+
+def test_a_key_added_to_a_table_without_a_reference_line_is_caught(monkeypatch):
+    from hf_zero.config import fields as F
+
+    page = (REPO / "docs" / "config_reference.md").read_text()
+    monkeypatch.setitem(F._ZERO, "stage3_new_knob", F._ZERO["sub_group_size"])
+    monkeypatch.setitem(F._OPTIMIZER_PARAMS, "adafactor", F._OPTIMIZER_PARAMS["sgd"])
+    # `enabled` is documented under fp16/bf16, not in the aio section: the section is what counts.
+    monkeypatch.setitem(F._AIO, "enabled", F._AIO["block_size"])
+    assert _undocumented(page) == ["## `zero_optimization`: stage3_new_knob", "## `aio` (NVMe offload): enabled",
+                                   "optimizer type adafactor"]
