@@ -1,9 +1,16 @@
-"""TRL's own shipped scripts (``trl/scripts/sft.py``, ``dpo.py``, ``grpo.py``), run by path as
-their users run them, under ``hf-zero run --deepspeed ds.json`` at stages 2 and 3 against plain
-``torchrun`` DDP of the same command: SFT (full and LoRA), DPO with a reference model and TR-DPO's
-``sync_ref_model``, GRPO with ``beta > 0`` (a reference model, generation). Losses to 2e-3, saved
-weights equal and loadable; the reference model is sharded at stage 3 (half the elements on each
-rank, from hf_zero's start-up log).
+"""TRL's own shipped scripts (``trl/scripts/sft.py``, ``dpo.py``, ``grpo.py``, ``kto.py``,
+``reward.py``, ``rloo.py``), run by path as their users run them, under ``hf-zero run --deepspeed
+ds.json`` against plain ``torchrun`` DDP of the same command: SFT (full and LoRA), DPO with a
+reference model and TR-DPO's ``sync_ref_model``, GRPO and RLOO with ``beta > 0`` (a reference model,
+generation), KTO (a reference model), the reward trainer (a sequence-classification model).
+Losses and gradient norms to 2e-3, saved weights equal and loadable; a reference model is sharded
+at stages 2/3 (half the elements on each rank, from hf_zero's log).
+
+CI time: each launch costs an interpreter start and the imports of torch, transformers and TRL on
+2 ranks, more than a 3-step tiny run. So the runs go through ``scripts/run_several.py`` (each
+script run as ``python SCRIPT ARGS`` would, one after the other in one process): every DDP
+reference in one launch, and one ``hf-zero run`` launch per stage group. Runs of one launch share
+a stage where it matters: ``hf-zero run`` decides low-memory loading (stage 3) from the launch.
 """
 
 from __future__ import annotations
@@ -16,12 +23,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from _run import REPO, hf_zero_run, logged_losses, run, write_config, zero_config
+from _run import REPO, hf_zero_run, logged_grad_norms, logged_losses, run, write_config, zero_config
 
 trl = pytest.importorskip("trl", reason="TRL is a test dependency (pip install -e '.[test]')")
 pytestmark = pytest.mark.slow
 
 SCRIPTS = Path(trl.__file__).parent / "scripts"
+RUN_SEVERAL = REPO / "integration_tests" / "scripts" / "run_several.py"
 MODEL = REPO / "assets" / "tiny-qwen2"
 STEPS = 3
 WORDS = "the a cat dog sat ran on under mat tree blue red big small quickly slowly".split()
@@ -46,6 +54,8 @@ def data(tmp_path_factory):
         "pref": _jsonl(root / "pref", [{"prompt": phrase(6), "chosen": phrase(5), "rejected": phrase(5)}
                                        for _ in range(32)]),
         "prompts": _jsonl(root / "prompts", [{"prompt": phrase(6)} for _ in range(32)]),
+        "unpaired": _jsonl(root / "unpaired", [{"prompt": phrase(6), "completion": phrase(5), "label": i % 3 != 0}
+                                               for i in range(32)]),
     }
 
 
@@ -54,16 +64,29 @@ COMMON = ["--model_name_or_path", str(MODEL), "--per_device_train_batch_size", "
           "--save_strategy", "steps", "--save_steps", str(STEPS),
           # TRL's configs default to bf16; fp32 here so that the weights compare to a few ulps.
           "--bf16", "False"]
+REWARD_FUNC = ["--reward_funcs", "integration_tests.trl_rewards.distinct_words"]
 FLOWS = {
     "sft": ("sft.py", "text", ["--max_length", "32"]),
     "sft_lora": ("sft.py", "text", ["--max_length", "32", "--use_peft", "--lora_r", "8", "--lora_alpha", "16",
                                      "--lora_target_modules", "q_proj", "v_proj"]),
     "dpo_sync": ("dpo.py", "pref", ["--sync_ref_model", "--ref_model_sync_steps", "2",
                                     "--ref_model_mixup_alpha", "0.5"]),
-    "grpo": ("grpo.py", "prompts", ["--reward_funcs", "integration_tests.trl_rewards.distinct_words",
-                                    "--beta", "0.1", "--num_generations", "2", "--max_completion_length", "8"]),
+    "grpo": ("grpo.py", "prompts", [*REWARD_FUNC, "--beta", "0.1", "--num_generations", "2",
+                                    "--max_completion_length", "8"]),
+    # RLOO's beta defaults to 0.05: a reference model, as GRPO's with beta > 0.
+    "rloo": ("rloo.py", "prompts", [*REWARD_FUNC, "--num_generations", "2", "--max_completion_length", "8"]),
+    "kto": ("kto.py", "unpaired", ["--max_length", "32"]),
+    "reward": ("reward.py", "pref", ["--max_length", "32"]),
 }
-CASES = [("sft", 2), ("sft", 3), ("sft_lora", 3), ("dpo_sync", 1), ("dpo_sync", 2), ("dpo_sync", 3), ("grpo", 3)]
+# Flows whose trainer prepares a frozen reference model (prepare_frozen_model).
+WITH_REFERENCE = {"dpo_sync", "grpo", "rloo", "kto"}
+# One hf-zero launch per group; SFT at stage 1 passed once and is not kept (CI time).
+LAUNCHES = {
+    "s0_s1": [("dpo_sync", 0), ("dpo_sync", 1)],
+    "s2": [("sft", 2), ("sft_lora", 2), ("dpo_sync", 2), ("grpo", 2)],
+    "s3": [("sft", 3), ("sft_lora", 3), ("dpo_sync", 3), ("grpo", 3), ("rloo", 3), ("kto", 3), ("reward", 3)],
+}
+CASES = [case for runs in LAUNCHES.values() for case in runs]
 
 
 def _args(flow: str, data: dict, out: Path) -> list[str]:
@@ -71,18 +94,37 @@ def _args(flow: str, data: dict, out: Path) -> list[str]:
     return [str(SCRIPTS / script), "--dataset_name", str(data[dataset]), "--output_dir", str(out), *COMMON, *extra]
 
 
+def _several(runs: dict[str, list[str]]) -> list[str]:
+    return [arg for name, args in runs.items() for arg in ("+++", name, *args)]
+
+
 @pytest.fixture(scope="module")
-def ddp(data, tmp_path_factory):
-    """Each flow once under plain torchrun DDP (2 CPU ranks), on first use."""
+def ddp(data, tmp_path_factory) -> Path:
+    """Every flow once under plain torchrun DDP (2 CPU ranks), all in one launch: ``ddp/<flow>``."""
+    root = tmp_path_factory.mktemp("ddp")
+    runs = {flow: _args(flow, data, root / flow) for flow in FLOWS}
+    run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(RUN_SEVERAL),
+         str(root / "logs"), "--exit-now", *_several(runs)], timeout=500)
+    return root
+
+
+@pytest.fixture(scope="module")
+def zero(data, tmp_path_factory):
+    """The hf-zero launch holding a (flow, stage) run, made on first use: ``<launch>/<flow>-s<stage>``,
+    its hf_zero log in ``<launch>/logs``."""
     done: dict[str, Path] = {}
 
-    def get(flow: str) -> Path:
-        if flow not in done:
-            out = tmp_path_factory.mktemp(f"ddp_{flow}")
-            run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                 str(REPO / "integration_tests" / "scripts" / "plain_run.py"), *_args(flow, data, out)], timeout=300)
-            done[flow] = out
-        return done[flow]
+    def get(flow: str, stage: int) -> Path:
+        launch = next(name for name, runs in LAUNCHES.items() if (flow, stage) in runs)
+        if launch not in done:
+            root = tmp_path_factory.mktemp(launch)
+            runs = {}
+            for f, st in LAUNCHES[launch]:
+                cfg = write_config(root / f"ds_zero{st}.json", zero_config(st))
+                runs[f"{f}-s{st}"] = [*_args(f, data, root / f"{f}-s{st}"), "--deepspeed", str(cfg)]
+            hf_zero_run(2, str(RUN_SEVERAL), str(root / "logs"), *_several(runs), timeout=500)
+            done[launch] = root
+        return done[launch]
 
     return get
 
@@ -94,14 +136,15 @@ def _weights(out: Path, lora: bool) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize("flow,stage", CASES, ids=[f"{f}-s{s}" for f, s in CASES])
-def test_trl_script_matches_ddp(flow, stage, data, ddp, tmp_path):
-    want_out = ddp(flow)
-    cfg = write_config(tmp_path / "ds.json", zero_config(stage))
-    out = tmp_path / "out"
-    proc = hf_zero_run(2, *_args(flow, data, out), "--deepspeed", str(cfg), timeout=300)
+def test_trl_script_matches_ddp(flow, stage, ddp, zero):
+    want_out, root = ddp / flow, zero(flow, stage)
+    out = root / f"{flow}-s{stage}"
     got, want = logged_losses(out / f"checkpoint-{STEPS}"), logged_losses(want_out / f"checkpoint-{STEPS}")
     assert len(got) == len(want) == STEPS
     torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=2e-3, atol=1e-6)
+    # GRPO's and RLOO's first losses are ~0 (advantages centred): the gradient norms say more.
+    got_norms, want_norms = (logged_grad_norms(o / f"checkpoint-{STEPS}") for o in (out, want_out))
+    torch.testing.assert_close(torch.tensor(got_norms), torch.tensor(want_norms), rtol=2e-3, atol=1e-6)
 
     lora = flow == "sft_lora"
     got_w, want_w = _weights(out, lora), _weights(want_out, lora)
@@ -109,19 +152,21 @@ def test_trl_script_matches_ddp(flow, stage, data, ddp, tmp_path):
     for name, value in want_w.items():
         assert got_w[name].dtype == value.dtype, name
         torch.testing.assert_close(got_w[name], value, rtol=1e-4, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
     if lora:
         from peft import PeftModel
-        from transformers import AutoModelForCausalLM
 
         PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(MODEL), out)
+    elif flow == "reward":
+        AutoModelForSequenceClassification.from_pretrained(out)
     else:
-        from transformers import AutoModelForCausalLM
-
         AutoModelForCausalLM.from_pretrained(out)
 
-    if flow in ("dpo_sync", "grpo") and stage >= 2:
+    if flow in WITH_REFERENCE and stage >= 2:
         # The reference model went through prepare_frozen_model: sharded (half each) at 2/3.
         total = sum(t.numel() for t in _weights(want_out, False).values())
-        frozen = re.findall(r"frozen \w+ sharded over 2 ranks \(([\d,]+) parameter elements", proc.stdout + proc.stderr)
+        log = (root / "logs" / f"{flow}-s{stage}.rank0.log").read_text()
+        frozen = re.findall(r"frozen \w+ sharded over 2 ranks \(([\d,]+) parameter elements", log)
         assert frozen, "no reference model was sharded"
         assert int(frozen[0].replace(",", "")) == total // 2
