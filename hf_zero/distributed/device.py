@@ -231,6 +231,19 @@ def synchronize(device: torch.device) -> None:
         _runtime.synchronize(torch.device(device))
 
 
+def record_event(device: torch.device) -> Any:
+    """An event marking the end of the work queued so far on ``device``'s current stream, or
+    None for host memory (nothing queued). Pass it to :func:`wait_event`."""
+    device = torch.device(device)
+    return _runtime.record_event(device) if _runtime.is_accelerator(device) else None
+
+
+def wait_event(event: Any) -> None:
+    """Block until ``event`` (from :func:`record_event`; None: nothing to wait for) has passed."""
+    if event is not None:
+        _runtime.wait_event(event)
+
+
 def record_stream(t: torch.Tensor) -> None:
     """Tell the caching allocator that work queued on the current stream still reads ``t``, so its
     block is not handed out again before that work has run (no-op for host memory)."""

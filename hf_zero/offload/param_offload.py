@@ -141,6 +141,10 @@ class _Unit:
     loading: list[Any] = field(default_factory=list)  # IOHandles of a swap-in in flight
     writing: list[Any] = field(default_factory=list)  # IOHandles of a write-behind in flight
     last_use: int = 0
+    # FSDP2's all-gather copy-in reads the host shard asynchronously: between its unshard() and
+    # wait_for_unshard() a read may be in flight; after, ``read_done`` marks where it ends.
+    gather_pending: bool = False
+    read_done: Any = None
 
 
 class NvmeParamSwapper:
@@ -240,10 +244,24 @@ class NvmeParamSwapper:
                     logger.error("hf_zero: %s", exc)
             if self.error is not None:
                 self._fill_missing(unit)
-            return original(*args, **kwargs)
+            out = original(*args, **kwargs)
+            unit.gather_pending = unit.group._all_gather_result is not None
+            return out
+
+        original_wait = unit.group.wait_for_unshard
+
+        def wait_for_unshard(*args: Any, **kwargs: Any) -> Any:
+            out = original_wait(*args, **kwargs)
+            # The current stream now waits for the all-gather, which waited for the copy-in: an
+            # event here passes once the host shard has been read.
+            unit.read_done = accel.record_event(unit.group.device)
+            unit.gather_pending = False
+            return out
 
         unit.group.unshard = unshard
+        unit.group.wait_for_unshard = wait_for_unshard
         unit._original_unshard = original  # type: ignore[attr-defined]
+        unit._original_wait = original_wait  # type: ignore[attr-defined]
 
     def _fill_missing(self, unit: _Unit) -> None:
         for fp, size in zip(unit.fsdp_params, unit.sizes):
@@ -347,9 +365,15 @@ class NvmeParamSwapper:
             self._write_unit(unit, wait=True)
         wait_all(unit.writing)
         unit.writing = []
-        # An asynchronous host-to-device copy of this shard (FSDP2's all-gather copy-in, on this
-        # rank's device) may still be reading it.
-        accel.synchronize(accel.current_device())
+        # An asynchronous host-to-device copy of this shard (FSDP2's all-gather copy-in) may still
+        # be reading it: wait for that read only (review F11: this ran a device-wide synchronize
+        # inside every eviction). An all-gather issued and not yet waited for (a prefetch evicted
+        # before its use: rare) has no event on our side, so the device is synchronized then.
+        if unit.gather_pending:
+            accel.synchronize(unit.group.device)
+        else:
+            accel.wait_event(unit.read_done)
+        unit.read_done = None
         for fp in unit.fsdp_params:
             fp._sharded_param_data.untyped_storage().resize_(0)
         unit.resident = False
@@ -463,6 +487,9 @@ class NvmeParamSwapper:
             original = getattr(unit, "_original_unshard", None)
             if original is not None:
                 unit.group.unshard = original
+            original_wait = getattr(unit, "_original_wait", None)
+            if original_wait is not None:
+                unit.group.wait_for_unshard = original_wait
         self.space.close()
 
 

@@ -176,3 +176,26 @@ def test_the_fake_catches_a_read_before_the_copies_landed(tmp_path, monkeypatch)
         _, norms, _ = _train(_config(2, tmp_path), steps=1)
         assert fake.async_copies > 0
     assert not math.isfinite(norms[0])
+
+
+def test_nvme_eviction_waits_for_the_units_read_not_the_whole_device(tmp_path, monkeypatch):
+    """Review F11: evicting a parameter unit to NVMe synchronized the whole device each time.
+    Now it waits on the event recorded after the unit's all-gather was waited for (its host shard
+    has been read by then). Recorded here: every event made for a unit and every wait."""
+    (tmp_path / "nvme").mkdir()
+    made, waited, synced = [], [], []
+
+    def record_event(device):
+        made.append(object())
+        return made[-1]
+
+    monkeypatch.setattr(accel, "record_event", record_event)
+    monkeypatch.setattr(accel, "wait_event", lambda event: waited.append(event))
+    monkeypatch.setattr(accel, "synchronize", lambda device: synced.append(device))
+    with accel.use_runtime(NoAccelerator()):
+        losses, _, _ = _train(_config(3, tmp_path, "cpu", "nvme"))
+    assert all(math.isfinite(x) for x in losses)
+    evictions = [e for e in waited if e is not None]
+    assert evictions, "no unit was evicted: max_in_cpu too large for the test to prove anything"
+    assert set(map(id, evictions)) <= set(map(id, made)), "waited on an event the unit did not record"
+    assert synced == [], f"device-wide synchronize on eviction: {synced}"
