@@ -37,6 +37,7 @@ from transformers import (
     GenerationConfig,
     Seq2SeqTrainer,
     Seq2SeqTrainingArguments,
+    set_seed,
 )
 
 IGNORE_INDEX = -100
@@ -215,6 +216,9 @@ def main(argv: list[str] | None = None) -> None:
     cfg = load_ft_config(cli.config_file, overrides, cli.zero_config or cli.ds_config)
     training_args: Seq2SeqTrainingArguments = cfg["training_args"]
 
+    # The Trainer seeds only when it is built; seed here too, so that the LoRA matrices (drawn by
+    # get_peft_model) are the same in every run and on every rank.
+    set_seed(training_args.seed)
     tokenizer = AutoTokenizer.from_pretrained(cli.model_dir, trust_remote_code=cli.trust_remote_code,
                                               padding_side="right")
     if tokenizer.pad_token is None:
