@@ -36,7 +36,8 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 DOCS = REPO / "docs"
-PAGES = ["quickstart.md", "migration_from_deepspeed.md", "troubleshooting.md", "notebooks.md"]
+PAGES = ["quickstart.md", "migration_from_deepspeed.md", "troubleshooting.md", "notebooks.md", "checkpoints.md",
+         "offload.md"]
 ZH_PAGES = ["quickstart.md", "migration_from_deepspeed.md", "troubleshooting.md"]
 MARKER = "# [DeepSpeed]"
 A100 = "NVIDIA A100-SXM4-80GB"
