@@ -118,7 +118,6 @@ def _check_hf_zero(cmd: Command, capsys) -> None:
         _plan_hf_zero_run(sub[1:], cmd.env)
         return
     parser = build_parser()
-    parser.exit_on_error = False
     try:
         parser.parse_args(sub)
     except SystemExit as exc:
