@@ -44,6 +44,10 @@ def explain_sharded_step(optimizer: torch.optim.Optimizer, stage: int) -> Iterat
     try:
         yield
     except (RuntimeError, NotImplementedError, AssertionError, TypeError, ValueError) as err:
+        from hf_zero.offload.base import OffloadError
+
+        if isinstance(err, OffloadError):  # the offload backends' own errors say what is wrong already
+            raise
         name = f"{type(optimizer).__module__}.{type(optimizer).__qualname__}"
         first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise ShardedOptimizerError(

@@ -92,23 +92,24 @@ class _FsdpGradFeed:
     with ``param.grad`` already cast to the parameter's dtype -- 16 bit when the parameters are
     16-bit shards. The exact fp32 values are in the reduce-scatter output, which FSDP2 passes to
     the unit's all-reduce hook (``FSDPModule.set_all_reduce_hook``) just before; the parameters
-    follow in it in order, each padded to :func:`_padded_shard_numel`. The first gradients are
-    checked against FSDP2's own cast, so a torch that lays the buffer out differently fails with
-    a clear error instead of training on wrong gradients.
+    follow in it in order, each padded to :func:`_padded_shard_numel`. Every parameter's first
+    gradient is checked against FSDP2's own cast (on the device, without a synchronization; the
+    optimizer step reads the verdict once: :meth:`verify_layout`), so a torch that lays the
+    buffer out differently fails with a clear error before any update instead of training on
+    wrong gradients.
 
     The reduce-scatter output (4 bytes x the unit's elements / N) is dropped as soon as its last
     parameter's gradient has been copied to the host (and, in any case, by :meth:`release`, which
     the optimizer calls before stepping), so no fp32 gradient buffer outlives its backward.
     """
 
-    _CHECKS = 4096
-
     def __init__(self, optimizer: OffloadedOptimizer, fsdp_modules: list[nn.Module], params: list[nn.Parameter], world: int):
         self._opt = optimizer
         self._world = world
         self._flat: torch.Tensor | None = None
         self._cursor = 0
-        self._checks_left = self._CHECKS
+        self._checks_left = len(params)  # each parameter's first gradient
+        self._layout_bad: torch.Tensor | None = None  # a device flag: no sync per gradient
         self._modules = fsdp_modules
         for module in fsdp_modules:
             module.set_all_reduce_hook(self._on_reduced)
@@ -131,16 +132,19 @@ class _FsdpGradFeed:
                     f"dtype {None if flat is None else flat.dtype}); this torch ({torch.__version__}) is not supported"
                 )
             n = local.numel()
+            if self._cursor + n > flat.numel():
+                raise OffloadError(
+                    f"FSDP2's reduce-scatter output is not laid out as hf_zero expects (torch {torch.__version__}): "
+                    f"{flat.numel()} elements, gradient {n} at offset {self._cursor}; optimizer offload cannot "
+                    "recover fp32 gradients"
+                )
             exact = flat[self._cursor : self._cursor + n].view(local.shape)
             self._cursor += _padded_shard_numel(param, self._world)
             if self._checks_left > 0:
                 self._checks_left -= 1
                 # (with FSDP2's CPU offload policy the 16-bit gradient is a host copy)
-                if not torch.equal(exact.to(device=local.device, dtype=local.dtype), local):
-                    raise OffloadError(
-                        f"FSDP2's reduce-scatter output is not laid out as hf_zero expects (torch {torch.__version__}); "
-                        "optimizer offload cannot recover fp32 gradients"
-                    )
+                bad = (exact.to(device=local.device, dtype=local.dtype) != local).any()
+                self._layout_bad = bad if self._layout_bad is None else self._layout_bad | bad
         self._opt.accumulate_grad(param, exact)
         if exact is local:
             # fp32 path: the gradient is a view of FSDP2's reduce-scatter output, which its
@@ -150,6 +154,16 @@ class _FsdpGradFeed:
         param.grad = None  # no gradient shard stays on the accelerator
         if self._flat is not None and self._cursor >= self._flat.numel():
             self.release()  # the unit's last gradient has been copied: drop its fp32 output
+
+    def verify_layout(self) -> None:
+        """Before the optimizer step: raise if a checked gradient differed from FSDP2's cast (one
+        synchronization, on the steps whose backward checked something)."""
+        bad, self._layout_bad = self._layout_bad, None
+        if bad is not None and bool(bad):
+            raise OffloadError(
+                f"FSDP2's reduce-scatter output is not laid out as hf_zero expects (torch {torch.__version__}); "
+                "optimizer offload cannot recover fp32 gradients"
+            )
 
     def release(self) -> None:
         """Drop the reference to the last reduce-scatter output (its gradients are on the host)."""
@@ -452,7 +466,9 @@ class OffloadManager:
         )
         del probe
         if self.stage >= 2:
-            optimizer.add_feed(_FsdpGradFeed(optimizer, self._fsdp_modules, plan.host, world))
+            feed = _FsdpGradFeed(optimizer, self._fsdp_modules, plan.host, world)
+            optimizer.add_feed(feed)
+            optimizer.pre_step_checks.append(feed.verify_layout)
         else:
             if self._ddp is None:
                 raise OffloadError("stage 1 optimizer offload needs the DDP wrapper (prepare_ddp was not called)")

@@ -188,3 +188,32 @@ def test_no_pinning_when_the_plan_does_not_fit(monkeypatch, caplog):
     assert got[0] == plain[0]
     for name, value in plain[1].items():
         assert torch.equal(got[1][name], value), name
+
+
+def test_gradient_layout_check_raises_before_the_update(monkeypatch):
+    """The check that FSDP2's fp32 reduce-scatter output is laid out as hf_zero reads it (now on
+    the device, verdict read once before the step; it used to synchronize per gradient) still
+    stops a wrong layout before any parameter changes."""
+    from hf_zero.offload import manager
+    from hf_zero.offload.base import OffloadError
+
+    cfg = _config(2)
+    cfg["bf16"] = {"enabled": True}
+    # every read one element behind the last: in bounds, wrong values
+    monkeypatch.setattr(manager, "_padded_shard_numel", lambda param, world: max(1, param.numel() - 1))
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=2, num_key_value_heads=1))
+    engine = hf_zero.initialize(model, cfg)
+    try:
+        before = {k: v.float().clone() for k, v in gather_full_state_dict(engine).items()}
+        ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
+        engine.backward(engine(input_ids=ids, labels=ids).loss)
+        with pytest.raises(OffloadError, match="not laid out as hf_zero expects"):
+            engine.step()
+        after = gather_full_state_dict(engine)
+        assert all(torch.equal(after[k].float(), v) for k, v in before.items())
+    finally:
+        engine.close()
