@@ -188,6 +188,22 @@ def test_galore_with_target_modules(tmp_path):
                                                optim_args="rank=4, update_proj_gap=2, scale=0.25")
 
 
+@pytest.mark.parametrize("stage", STAGES)
+def test_apollo_at_stage_0_and_its_refusal_elsewhere(tmp_path, stage):
+    """APOLLO seeds each parameter's projection with its position in the group (state filled at
+    construction, which hf_zero once took for a stepped optimizer): the plain Trainer's training at
+    stage 0, a refusal naming stage 0 at the stages where ranks step reordered subsets (1) or
+    DTensor shards (2/3; its step fails there: aten.mm got mixed torch.Tensor and DTensor)."""
+    _needs("apollo_torch")
+    kwargs = dict(optim="apollo_adamw", optim_target_modules=["q_proj", "v_proj"], optim_args="rank=4, update_proj_gap=2")
+    if stage >= 1:
+        with pytest.raises(ValueError, match=f"apollo_adamw at ZeRO stage {stage}: .*Use stage 0"):
+            make_trainer(tmp_path, stage, **kwargs)
+        return
+    reference, zero = _reference_and(tmp_path, stage, **kwargs)
+    assert_same_training(zero, reference)
+
+
 @pytest.mark.parametrize("optim", ["lomo", "adalomo", "galore_adamw_layerwise"])
 def test_in_backward_optimizers_are_refused(tmp_path, optim):
     with pytest.raises(ValueError, match=f"--optim {optim} updates each weight inside the backward pass"):

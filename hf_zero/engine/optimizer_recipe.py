@@ -57,13 +57,15 @@ def constructor_defaults(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
 
 def _stepped(state: dict[str, Any]) -> bool:
     """Whether a parameter's optimizer state comes from a step. Some optimizers fill their state
-    at construction (torch's Adagrad: ``step`` 0 and ``sum`` at ``initial_accumulator_value``);
-    that state is rebuilt identically with the optimizer, so it does not count."""
+    at construction (torch's Adagrad: ``step`` 0 and ``sum`` at ``initial_accumulator_value``;
+    APOLLO: a per-parameter ``seed`` number); that state is rebuilt identically with the optimizer,
+    so it does not count. Without a step counter, state that a step made holds tensors (SGD's
+    ``momentum_buffer``)."""
     if not state:
         return False
     step = state.get("step")
     if step is None:
-        return True
+        return any(isinstance(value, torch.Tensor) for value in state.values())
     return float(step) > 0
 
 

@@ -119,6 +119,17 @@ def check_trainer_options(trainer: Any) -> None:
             "steps a reordered subset of the group, so the updates would differ from the plain run. Use "
             "stage 0, 2 or 3 without offload_optimizer (the same updates as without hf_zero)"
         )
+    if config.optimizer is None and optim == "apollo_adamw" and config.stage >= 1:
+        # apollo_torch's AdamW numbers the parameters at construction, and the number seeds each
+        # parameter's random projection; its step mixes plain tensors with the DTensor gradients.
+        raise ValueError(
+            f"--optim apollo_adamw at ZeRO stage {config.stage}: APOLLO seeds each parameter's random "
+            "projection with the parameter's position in the optimizer's group; at stage 1 (and with "
+            "offload_optimizer) each rank steps a reordered subset of the group, so the updates would "
+            "differ from the plain run, and at stages 2/3 its step cannot run on the sharded (DTensor) "
+            "parameters. Use stage 0 (the same updates as without hf_zero), or --optim galore_adamw "
+            "(low-rank projections too) at any stage"
+        )
     if args.save_only_model and args.load_best_model_at_end:
         raise ValueError(
             "--save_only_model with --load_best_model_at_end: the checkpoints would hold the model's "
