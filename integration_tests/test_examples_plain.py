@@ -220,6 +220,43 @@ def test_finetune_hf_reads_advertisegen_and_chatglm3_conversations_alike():
         mod.process_batch({"text": ["x"]}, tokenizer, 64, 96)
 
 
+# The keys hf_zero reports as changing nothing, per example config: only keys that the source
+# documents themselves write (openMind guide: its bf16 loss-scale keys, its ZeRO-2/3 bucketing keys;
+# the ChatGLM3 tutorial's ds_zero_2.json and ChatGLM3's ds_zero_3.json). ds_zero3.json is ours: none.
+_BF16_SCALER = ["bf16.loss_scale", "bf16.loss_scale_window", "bf16.initial_scale_power", "bf16.hysteresis",
+                "bf16.min_loss_scale"]
+_Z = "zero_optimization."
+_GUIDE_Z3 = [_Z + "overlap_comm", _Z + "contiguous_gradients", _Z + "stage3_max_reuse_distance"]
+EXPECTED_NO_EFFECT = {
+    "examples/finetune_qwen/ds_config_zero1.json": _BF16_SCALER,
+    "examples/finetune_qwen/ds_config_zero2.json": [_Z + k for k in ("allgather_partitions", "allgather_bucket_size",
+                                                                     "overlap_comm", "reduce_scatter",
+                                                                     "contiguous_gradients")] + _BF16_SCALER,
+    "examples/finetune_qwen/ds_config_zero3.json": _GUIDE_Z3 + _BF16_SCALER,
+    "examples/finetune_qwen/ds_config_zero3_offload.json": _GUIDE_Z3 + _BF16_SCALER,
+    "examples/finetune_qwen/ds_zero3.json": [],
+    "examples/chatglm_lora/configs/ds_zero_2.json": ["steps_per_print", "wall_clock_breakdown"] + [
+        _Z + k for k in ("allgather_partitions", "allgather_bucket_size", "overlap_comm", "reduce_scatter",
+                         "contiguous_gradients")],
+    "examples/chatglm_lora/configs/ds_zero_3.json": ["zero_allow_untested_optimizer"] + [
+        _Z + k for k in ("allgather_partitions", "allgather_bucket_size", "reduce_scatter", "contiguous_gradients",
+                         "overlap_comm", "stage3_max_reuse_distance")],
+}
+
+
+@pytest.mark.parametrize("path", sorted(EXPECTED_NO_EFFECT))
+def test_example_configs_report_only_the_source_documents_no_effect_keys(path):
+    from hf_zero.config import parse_config
+
+    cfg = parse_config(REPO / path)
+    assert sorted(cfg.no_effect_keys) == sorted(EXPECTED_NO_EFFECT[path])
+
+
+def test_every_example_config_is_listed():
+    found = {str(p.relative_to(REPO)) for d in (QWEN_DIR, LORA_DIR / "configs") for p in d.glob("*.json")}
+    assert found == set(EXPECTED_NO_EFFECT)
+
+
 @pytest.mark.slow
 def test_tiny_assets_regenerate_identically(tmp_path):
     """scripts/make_tiny_assets.py reproduces the committed data, tokenizer and weights."""
