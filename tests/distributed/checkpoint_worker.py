@@ -217,6 +217,9 @@ TASKS = {"export": task_export, "train_save": task_train_save, "resume": task_re
 
 def main() -> None:
     faulthandler.enable()  # a native abort prints every thread's Python stack
+    from tests.strict_collectives import install_from_env
+
+    install_from_env()  # HF_ZERO_STRICT_COLLECTIVES=1 (tests/distributed/_launch.py sets it by default)
     tasks_path, out_path = sys.argv[1], sys.argv[2]
     with open(tasks_path) as f:
         tasks = json.load(f)

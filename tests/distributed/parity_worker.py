@@ -74,6 +74,9 @@ def run_case(case: Case) -> dict:
 
 
 def main() -> None:
+    from tests.strict_collectives import install_from_env
+
+    install_from_env()  # HF_ZERO_STRICT_COLLECTIVES=1 (tests/distributed/_launch.py sets it by default)
     cases_path, out_path = sys.argv[1], sys.argv[2]
     with open(cases_path) as f:
         cases = [Case(**c) for c in json.load(f)]

@@ -147,4 +147,7 @@ def test_gathered_state_dict_equals_the_export(results, stage):
 
 
 if __name__ == "__main__":
+    from tests.strict_collectives import install_from_env
+
+    install_from_env()  # HF_ZERO_STRICT_COLLECTIVES=1 (tests/distributed/_launch.py sets it by default)
     _worker(sys.argv[1], sys.argv[2])
