@@ -21,6 +21,7 @@ Five 2-rank launches, each reused by several tests through module-scoped fixture
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
@@ -102,7 +103,7 @@ def test_readme_command_trains_zero3_with_a_progress_bar_and_says_where_the_mode
     out, proc = readme_run
     assert "ZeRO stage 3" in proc.stdout + proc.stderr
     assert re.search(r"100%\|[^\n\r]*\| 20/20", proc.stderr), "no tqdm progress bar reaching 20/20"
-    # the closing lines come from rank 0 only, last, and name this run's folder
+    # the closing lines come from rank 0 only and name this run's folder
     assert proc.stdout.count("The fine-tuned model is in") == 1, proc.stdout[-2000:]
     tail = proc.stdout[proc.stdout.index("The fine-tuned model is in"):]
     assert str(out) in tail and "from_pretrained" in tail and "inference_hf.py" in tail
@@ -113,7 +114,7 @@ def test_readme_command_trains_zero3_with_a_progress_bar_and_says_where_the_mode
 
 def test_readme_model_loads_and_generates_as_the_closing_lines_say(readme_run):
     from safetensors.torch import load_file
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     out, proc = readme_run
     model = AutoModelForCausalLM.from_pretrained(out)
@@ -127,8 +128,19 @@ def test_readme_model_loads_and_generates_as_the_closing_lines_say(readme_run):
     # the "Try it" line, run as printed (it names this output folder)
     try_line = next(line for line in proc.stdout.splitlines() if "Try it:" in line)
     argv = shlex.split(try_line.split("Try it:", 1)[1])
-    assert argv[:2] == ["python", INFERENCE], argv
-    generate(Path(argv[2]), *argv[3:])
+    assert argv[:2] == ["python", INFERENCE] and argv[2] == str(out), argv
+    ids = generate(Path(argv[2]), *argv[3:])
+    # the reference: the prompt in the training script's own Alpaca format, transformers' greedy search
+    spec = importlib.util.spec_from_file_location("finetune_under_test", QWEN_DIR / "finetune.py")
+    finetune = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(finetune)
+    prompt = finetune.PROMPT_DICT["prompt_no_input"].format(instruction=argv[argv.index("--prompt") + 1])
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    inputs = tokenizer(prompt, return_tensors="pt", add_special_tokens=False)
+    with torch.no_grad():
+        expected = model.eval().generate(**inputs, max_new_tokens=8, min_new_tokens=8, do_sample=False,
+                                         pad_token_id=tokenizer.pad_token_id)
+    assert ids == expected[0, inputs["input_ids"].shape[1]:].tolist()
 
 
 def test_two_import_change_under_plain_torchrun_resumes_the_readme_run(readme_run, tmp_path):
