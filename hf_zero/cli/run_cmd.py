@@ -36,9 +36,24 @@ def _gpus() -> tuple[list[str], bool]:
 
     if not accel.accelerator_available():
         return [], True
+    from hf_zero.cli.launch.plan import p2p_usable
+
     names = [accel.device_name(i) for i in range(accel.device_count())]
-    p2p = all(accel.can_access_peer(i, j) for i in range(len(names)) for j in range(len(names)) if i != j)
-    return names, p2p
+    reported = all(accel.can_access_peer(i, j) for i in range(len(names)) for j in range(len(names)) if i != j)
+    return names, p2p_usable(names, reported, _driver_version())
+
+
+def _driver_version() -> str | None:
+    """The NVIDIA driver's version from ``nvidia-smi`` (None when it cannot be asked)."""
+    import subprocess
+
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=10, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    lines = out.strip().splitlines()
+    return lines[0].strip() if lines else None
 
 
 def _missing(script: str, as_module: bool) -> str | None:

@@ -72,3 +72,19 @@ def test_launch_lines_keep_the_planning(monkeypatch):
     assert plan_launch_line(["--nproc_per_node=auto", "t.py"], gpu_names=rtx, env={}).env["OMP_NUM_THREADS"] == "8"
     with pytest.raises(LaunchLineError, match="LOCAL_RANK"):
         plan_launch_line(["--nproc_per_node=3", "t.py"], gpu_names=rtx, env={})
+
+
+def test_rtx40_peer_access_is_not_trusted_on_old_drivers():
+    """Review F10: RTX 40xx report P2P, and NCCL hangs over it before driver 550.40.07 (the rule
+    accelerate applies). Then the launch line gets the NCCL variables as if P2P were off."""
+    from hf_zero.cli.launch.plan import p2p_usable
+
+    rtx40 = ["NVIDIA GeForce RTX 4090"] * 2
+    assert not p2p_usable(rtx40, True, "535.54.03")
+    assert not p2p_usable(rtx40, True, "545.23.08")
+    assert p2p_usable(rtx40, True, "550.40.07") and p2p_usable(rtx40, True, "560.35.03")
+    assert p2p_usable(rtx40, True, None)  # nvidia-smi not there: the driver's answer stands
+    assert p2p_usable(["NVIDIA H100 80GB HBM3"] * 8, True, "535.54.03")
+    assert not p2p_usable(["NVIDIA H100 80GB HBM3"] * 8, False, "560.35.03")
+    env, notes = nccl_env_for_gpus(rtx40, p2p_ok=p2p_usable(rtx40, True, "535.54.03"), env={})
+    assert env == {"NCCL_P2P_DISABLE": "1", "NCCL_IB_DISABLE": "1"} and notes

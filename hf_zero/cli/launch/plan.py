@@ -18,7 +18,7 @@ from hf_zero.cli.launch.torchrun_form import (
 )
 from hf_zero.integration.bootstrap import PASS_LOCAL_RANK_ENV
 
-__all__ = ["BOOTSTRAP_MODULE", "LaunchPlan", "nccl_env_for_gpus", "plan_launch", "plan_launch_line", "plan_request"]
+__all__ = ["BOOTSTRAP_MODULE", "LaunchPlan", "P2P_FIXED_DRIVER", "nccl_env_for_gpus", "p2p_usable", "plan_launch", "plan_launch_line", "plan_request"]
 
 BOOTSTRAP_MODULE = "hf_zero.integration.bootstrap"
 
@@ -27,6 +27,34 @@ BOOTSTRAP_MODULE = "hf_zero.integration.bootstrap"
 # NCCL_IB_DISABLE=1").
 _CONSUMER_GPU = re.compile(r"(GeForce|RTX\s*[2345]0\d0|RTX\s*A?[2345]000\b|TITAN)", re.IGNORECASE)
 _NCCL_CONSUMER_VARS = {"NCCL_P2P_DISABLE": "1", "NCCL_IB_DISABLE": "1"}
+# RTX 40xx cards report peer access, but NCCL's P2P path hangs on them with drivers older than
+# this one (review F10; accelerate's check_cuda_p2p_ib_support applies the same rule), so the
+# driver's answer alone cannot be trusted there. The doctor's live NCCL test is the ground truth.
+_RTX40 = re.compile(r"RTX\s*40\d0", re.IGNORECASE)
+P2P_FIXED_DRIVER = "550.40.07"
+
+
+def _version(text: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in re.findall(r"\d+", text)[:3])
+
+
+def p2p_usable(gpu_names: Sequence[str], reported: bool, driver_version: str | None) -> bool:
+    """Whether NCCL may use peer-to-peer between these GPUs: the driver says so (``reported``)
+    and the cards are not RTX 40xx on a driver older than :data:`P2P_FIXED_DRIVER`.
+
+    >>> p2p_usable(["NVIDIA GeForce RTX 4090"] * 2, True, "535.54.03")
+    False
+    >>> p2p_usable(["NVIDIA GeForce RTX 4090"] * 2, True, "550.54.14")
+    True
+    """
+    if not reported:
+        return False
+    if driver_version and any(_RTX40.search(n) for n in gpu_names):
+        try:
+            return _version(driver_version) >= _version(P2P_FIXED_DRIVER)
+        except ValueError:
+            return True
+    return True
 
 
 def nccl_env_for_gpus(gpu_names: Sequence[str], p2p_ok: bool, env: Mapping[str, str]) -> tuple[dict[str, str], list[str]]:
