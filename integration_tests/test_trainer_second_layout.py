@@ -1,5 +1,5 @@
 """A model trained by a ZeroTrainer at stage 0 or 1 (never sharded), then handed to a second
-ZeroTrainer with another zero config: it trains on as the plain Trainer's two-trainer sequence does.
+ZeroTrainer with another zero config (another stage, compute dtype or optimizer offload): it trains on as the plain Trainer's two-trainer sequence does.
 (Models first sharded at stage 2/3 and then given another layout are refused:
 ``test_trainer_second_trainer.py::test_second_trainer_with_another_layout_says_what_to_do``.)
 One process, against transformers' own Trainer."""
@@ -17,9 +17,10 @@ from _tiny import TINY, token_dataset
 pytestmark = pytest.mark.slow
 
 
-def _common(tmp_path, name):
+def _common(tmp_path, name, **extra):
     return dict(output_dir=str(tmp_path / name), per_device_train_batch_size=4, max_steps=3, logging_steps=1,
-                report_to="none", save_strategy="no", learning_rate=5e-3, seed=3, use_cpu=True, disable_tqdm=True)
+                report_to="none", save_strategy="no", learning_rate=5e-3, seed=3, use_cpu=True, disable_tqdm=True,
+                **extra)
 
 
 def _losses(trainer):
@@ -37,17 +38,20 @@ def _sequence(make_first, make_second):
     return _losses(first), evaluated, _losses(second)
 
 
-def _plain(tmp_path, name):
+def _plain(tmp_path, name, **extra):
     def make(model):
-        return Trainer(model=model, args=TrainingArguments(**_common(tmp_path, name)), train_dataset=token_dataset(),
-                       eval_dataset=token_dataset(8, seed=12))
+        return Trainer(model=model, args=TrainingArguments(**_common(tmp_path, name, **extra)),
+                       train_dataset=token_dataset(), eval_dataset=token_dataset(8, seed=12))
 
     return make
 
 
-def _zero(tmp_path, name, stage):
+def _zero(tmp_path, name, stage, offload=False, **extra):
     def make(model):
-        args = ZeroTrainingArguments(zero_config={"zero_optimization": {"stage": stage}}, **_common(tmp_path, name))
+        section = {"stage": stage}
+        if offload:
+            section["offload_optimizer"] = {"device": "cpu"}
+        args = ZeroTrainingArguments(zero_config={"zero_optimization": section}, **_common(tmp_path, name, **extra))
         return ZeroTrainer(model=model, args=args, train_dataset=token_dataset(), eval_dataset=token_dataset(8, seed=12))
 
     return make
@@ -69,4 +73,23 @@ def test_second_trainer_with_another_stage_after_stage_0_or_1(tmp_path, plain, f
     assert got_first == pytest.approx(plain_first, rel=2e-3)
     assert evaluated == pytest.approx(plain_evaluated, rel=2e-3)  # the second trainer sees the trained weights
     assert evaluated < plain_first[0]  # ... which are not the initial ones
+    assert got_second == pytest.approx(plain_second, rel=2e-3)
+
+
+def test_second_trainer_in_bf16_after_an_fp32_one(tmp_path):
+    # The plain sequence: an fp32 Trainer, then a --bf16 one (autocast) on the same model.
+    plain_first, plain_evaluated, plain_second = _sequence(_plain(tmp_path, "p1"), _plain(tmp_path, "p2", bf16=True))
+    got_first, evaluated, got_second = _sequence(_zero(tmp_path, "z1", 0), _zero(tmp_path, "z2", 0, bf16=True))
+    assert got_first == pytest.approx(plain_first, rel=2e-3)
+    # bf16 compute with fp32 masters against the plain Trainer's autocast: bf16 accuracy (as test_bf16)
+    assert evaluated == pytest.approx(plain_evaluated, rel=1e-2)
+    assert evaluated < plain_first[0]
+    assert got_second == pytest.approx(plain_second, rel=1e-2)
+
+
+def test_second_trainer_with_the_optimizer_offloaded_after_one_without(tmp_path, plain):
+    plain_first, plain_evaluated, plain_second = plain
+    got_first, evaluated, got_second = _sequence(_zero(tmp_path, "z1", 1), _zero(tmp_path, "z2", 1, offload=True))
+    assert got_first == pytest.approx(plain_first, rel=2e-3)
+    assert evaluated == pytest.approx(plain_evaluated, rel=2e-3)
     assert got_second == pytest.approx(plain_second, rel=2e-3)
