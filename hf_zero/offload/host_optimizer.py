@@ -33,7 +33,6 @@ offloaded run reproduces the losses and weights of a non-offloaded run of the sa
 from __future__ import annotations
 
 import concurrent.futures as cf
-import math
 from collections.abc import Callable
 from typing import Any
 
@@ -69,6 +68,8 @@ from hf_zero.offload.host_layout import (
 from hf_zero.offload.nvme_chunks import _NvmeChunks
 from hf_zero.offload.optimizer_checkpoint import _OptimizerCheckpoint
 from hf_zero.offload.owner_broadcast import _OwnerBroadcast
+from hf_zero.offload.grad_accumulation import StagedAccumulation
+from hf_zero.offload.grad_norm import sharded_total_norm
 from hf_zero.offload.pinned import HostArena, planned_pinned_bytes, pinning_fits
 
 __all__ = ["OffloadedOptimizer"]
@@ -156,6 +157,7 @@ class OffloadedOptimizer(_NvmeChunks, _OptimizerCheckpoint, _OwnerBroadcast, tor
         self.host_steps = 0
         self._arenas: list[HostArena] = []  # gradient and master buffers (pinned when configured)
         self.pinned = False
+        self._staged: StagedAccumulation | None = None  # micro-steps after the first (set up in _setup)
 
         error: BaseException | None = None
         try:
@@ -189,6 +191,8 @@ class OffloadedOptimizer(_NvmeChunks, _OptimizerCheckpoint, _OwnerBroadcast, tor
         grads = HostArena(numels, torch.float32, pin=pin, setting=setting)
         masters = None if self._nvme else HostArena(numels, torch.float32, pin=pin, setting=setting)
         self._arenas = [a for a in (grads, masters) if a is not None]
+        self._staged = StagedAccumulation(max(numels, default=0), pin=pin, setting=setting,
+                                          before_add=self._grad_copies.wait)
         for i, (gi, p, local) in enumerate(owned):
             slot = _Slot(
                 name=self._names.get(id(p), f"param{len(self.slots)}"),
@@ -299,8 +303,12 @@ class OffloadedOptimizer(_NvmeChunks, _OptimizerCheckpoint, _OwnerBroadcast, tor
         if slot.fresh:
             self._grad_copies.copy(slot.grad, flat)
             slot.fresh = False
+        elif accel.is_accelerator(flat) and self._staged is not None and self._staged.usable():
+            # 2nd micro-step on: a copy to a pinned staging block, added on a worker once landed
+            # (grad_accumulation.py), so the backward does not wait for it (review F11).
+            self._staged.add(slot.grad, flat)
         else:
-            # Accumulation needs the host values: a blocking copy (only from the 2nd micro-step on).
+            # Host-resident gradient, or pageable host memory (the copy is synchronous anyway).
             self._grad_copies.wait()
             slot.grad.add_(flat.to("cpu", torch.float32))
         if self._nvme and not self._prefetched:
@@ -309,10 +317,16 @@ class OffloadedOptimizer(_NvmeChunks, _OptimizerCheckpoint, _OwnerBroadcast, tor
     def managed_params(self) -> list[nn.Parameter]:
         return [s.param for s in self.slots]
 
+    def _wait_for_grads(self) -> None:
+        """Every device->host gradient copy and staged add issued so far has landed."""
+        if self._staged is not None:
+            self._staged.drain()
+        self._grad_copies.wait()
+
     def _host_grads(self) -> list[torch.Tensor]:
         # Every reader of host gradients comes through here or _ordered_grads: the copies from
         # the device must have landed (with pinned memory they run asynchronously on a stream).
-        self._grad_copies.wait()
+        self._wait_for_grads()
         return [s.grad for s in self.slots if not s.fresh]
 
     def _device_grads(self) -> list[torch.Tensor]:
@@ -354,33 +368,13 @@ class OffloadedOptimizer(_NvmeChunks, _OptimizerCheckpoint, _OwnerBroadcast, tor
             if not grads:
                 return torch.zeros(())
             return torch.nn.utils.get_total_norm(grads, norm_type=norm_type, foreach=True).to("cpu")
-        grads = self._ordered_grads()
         distributed = self._world > 1 and dist.is_initialized()
-        if math.isinf(norm_type):
-            # A max needs no fixed order: this rank's largest entry, then the largest over ranks
-            # (empty shards skipped: the inf-norm of nothing is undefined for torch).
-            nonempty = [g for g in grads if g.numel()]
-            local = torch.zeros(())
-            if nonempty:
-                local = _norms_on_host(nonempty, norm_type).max()
-            if distributed:
-                t = local.reshape(1).to(self._comm_device)
-                dist.all_reduce(t, op=dist.ReduceOp.MAX)
-                local = t.to("cpu").reshape(())
-            return local
-        if not grads:
-            return torch.zeros(())
-        norms = _norms_on_host(grads, norm_type)
-        if distributed:
-            t = (norms**norm_type).to(self._comm_device)
-            dist.all_reduce(t, op=dist.ReduceOp.SUM)
-            norms = t.to("cpu") ** (1.0 / norm_type)
-        return torch.linalg.vector_norm(norms, norm_type)
+        return sharded_total_norm(self._ordered_grads(), norm_type, self._comm_device if distributed else None)
 
     def _ordered_grads(self) -> list[torch.Tensor]:
         """This rank's gradient of every parameter that has one, in param-group order (the same
         list on every rank at stages 2/3: each holds a shard of every parameter)."""
-        self._grad_copies.wait()
+        self._wait_for_grads()
         out = []
         for group in self.param_groups:
             for p in group["params"]:
@@ -405,6 +399,7 @@ class OffloadedOptimizer(_NvmeChunks, _OptimizerCheckpoint, _OwnerBroadcast, tor
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Start a new accumulation window: host gradients are overwritten by the next copy."""
+        self._wait_for_grads()  # no add of the last window may land in the next one
         for slot in self.slots:
             slot.fresh = True
             slot.param.grad = None
@@ -427,7 +422,7 @@ class OffloadedOptimizer(_NvmeChunks, _OptimizerCheckpoint, _OwnerBroadcast, tor
         try:
             if self._closed:
                 raise OffloadError("the offloaded optimizer is closed (its engine was closed)")
-            self._grad_copies.wait()  # asynchronous gradient copies to pinned memory have landed
+            self._wait_for_grads()  # asynchronous gradient copies and adds have landed
             for feed in self._feeds:  # no device gradient buffer is kept through the step
                 release = getattr(feed, "release", None)
                 if release is not None:
@@ -585,19 +580,7 @@ class OffloadedOptimizer(_NvmeChunks, _OptimizerCheckpoint, _OwnerBroadcast, tor
                 self._prefetched = {}
         finally:
             self._copier.shutdown(wait=True)
+            if self._staged is not None:
+                self._staged.close()
             if self._space is not None:
                 self._space.close()
-
-
-def _norms_on_host(tensors: list[torch.Tensor], norm_type: float) -> torch.Tensor:
-    """Per-tensor norms as one fp32 host vector, in order. Host and device gradients mix with
-    partial offload (``ratio``); the device ones come over in one copy per device instead of one
-    blocking ``.to("cpu")`` per tensor (review F11)."""
-    norms = torch._foreach_norm(tensors, norm_type)
-    out = torch.empty(len(norms), dtype=torch.float32)
-    by_device: dict[torch.device, list[int]] = {}
-    for i, n in enumerate(norms):
-        by_device.setdefault(n.device, []).append(i)
-    for index in by_device.values():
-        out[index] = torch.stack([norms[i] for i in index]).to("cpu", torch.float32)
-    return out

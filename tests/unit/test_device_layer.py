@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ast
 import math
+import threading
 from pathlib import Path
 
 import pytest
@@ -126,17 +127,19 @@ def _config(stage: int, tmp_path: Path, opt: str = "cpu", param: str | None = No
             "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}}
 
 
-def _train(cfg: dict, steps: int = 3) -> tuple[list[float], list[float], dict[str, torch.Tensor]]:
+def _train(cfg: dict, steps: int = 3, accumulation: int = 1) -> tuple[list[float], list[float], dict[str, torch.Tensor]]:
+    cfg = {**cfg, "gradient_accumulation_steps": accumulation}
     engine = hf_zero.initialize(_tiny(), cfg)
     gen = torch.Generator().manual_seed(1)
     losses, norms = [], []
     try:
         for _ in range(steps):
-            ids = torch.randint(0, 64, (2, 8), generator=gen)
-            loss = engine(input_ids=ids, labels=ids).loss
-            engine.backward(loss)
-            engine.step()
-            losses.append(float(loss.detach()))
+            for _ in range(accumulation):  # DeepSpeed's loop: step() after every micro-batch
+                ids = torch.randint(0, 64, (2, 8), generator=gen)
+                loss = engine(input_ids=ids, labels=ids).loss
+                engine.backward(loss)
+                engine.step()
+                losses.append(float(loss.detach()))
             norms.append(float(engine.get_global_grad_norm()))
         weights = {k: v.float().clone() for k, v in gather_full_state_dict(engine).items()}
     finally:
@@ -166,6 +169,70 @@ def test_offload_under_the_fake_accelerator_matches_the_plain_cpu_run(case, tmp_
     for name, value in plain[2].items():
         assert torch.equal(faked[2][name], value), name
     assert not any(kind == "sync" for kind, _ in fake.events), "device-wide synchronize in the step path"
+
+
+def _staged_adds(monkeypatch) -> list[int]:
+    """Counts the gradients each engine's optimizer added through its staging blocks."""
+    from hf_zero.offload.grad_accumulation import StagedAccumulation
+
+    counts: list[int] = []
+    close = StagedAccumulation.close
+
+    def counting_close(self):
+        counts.append(self.staged)
+        close(self)
+
+    monkeypatch.setattr(StagedAccumulation, "close", counting_close)
+    return counts
+
+
+# (Stage 1 accumulates on the device, as DDP does, and copies once per window: nothing to stage.)
+@pytest.mark.parametrize("stage", [2, 3])
+def test_accumulated_micro_steps_under_the_fake_match_the_plain_cpu_run(stage, tmp_path, monkeypatch):
+    """Review F11: from the 2nd micro-step on, each gradient was added on the host after a blocking
+    copy inside the backward. Now it is copied to a pinned staging block and added by a worker once
+    its copy has landed; under the fake (copies land late, poisoned until then) the run equals the
+    CPU run bit for bit, and the staged path was taken."""
+    from hf_zero.offload.host_optimizer import OffloadedOptimizer
+
+    staged = _staged_adds(monkeypatch)
+    # Every wait for copies that happens inside the gradient hook, i.e. inside the backward.
+    inside, waits_in_backward = threading.local(), []
+    accumulate, wait = OffloadedOptimizer.accumulate_grad, accel.PendingCopies.wait
+
+    def traced_accumulate(self, param, grad):
+        inside.on = True
+        try:
+            accumulate(self, param, grad)
+        finally:
+            inside.on = False
+
+    def traced_wait(self):
+        if getattr(inside, "on", False) and self.pending:
+            waits_in_backward.append(self.pending)
+        wait(self)
+
+    cfg = _config(stage, tmp_path, "cpu", "cpu" if stage == 3 else None)
+    with accel.use_runtime(NoAccelerator()):
+        plain = _train(cfg, steps=2, accumulation=3)
+    monkeypatch.setattr(OffloadedOptimizer, "accumulate_grad", traced_accumulate)
+    monkeypatch.setattr(accel.PendingCopies, "wait", traced_wait)
+    with fake_accelerator() as fake:
+        faked = _train(cfg, steps=2, accumulation=3)
+    assert fake.async_copies > 0
+    assert not waits_in_backward, f"the backward waited for {sum(waits_in_backward)} copies in flight"
+    assert staged and staged[-1] > 0, "no gradient went through the staging blocks: the test would prove nothing"
+    assert faked[0] == plain[0] and faked[1] == plain[1]
+    for name, value in plain[2].items():
+        assert torch.equal(faked[2][name], value), name
+
+
+def test_the_fake_catches_an_add_before_its_copy_landed(tmp_path, monkeypatch):
+    """Control for the test above: an add that does not wait for its staging copy adds poison."""
+    monkeypatch.setattr(accel.PendingCopies, "wait", lambda self: None)
+    with fake_accelerator(delay_s=0.01):
+        _, norms, _ = _train(_config(2, tmp_path), steps=1, accumulation=2)
+    assert not math.isfinite(norms[0])
 
 
 def test_the_fake_catches_a_read_before_the_copies_landed(tmp_path, monkeypatch):
