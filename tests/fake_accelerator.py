@@ -179,3 +179,23 @@ def fake_accelerator(**kwargs) -> Iterator[FakeAccelerator]:
     finally:
         torch.Tensor.pin_memory, torch.Tensor.is_pinned = real_pin, real_is_pinned  # type: ignore[method-assign]
         fake._stream.shutdown(wait=True)
+
+
+FAKE_ENV = "HF_ZERO_FAKE_ACCELERATOR"
+_installed: contextlib.ExitStack | None = None
+
+
+def install_from_env() -> FakeAccelerator | None:
+    """For multi-rank test workers: install a :class:`FakeAccelerator` for the rest of the process
+    when ``HF_ZERO_FAKE_ACCELERATOR=1`` (each rank gets its own; collectives stay on gloo). Call
+    before the process group is created. Returns the fake, or None when the variable is not set."""
+    import atexit
+    import os
+
+    global _installed
+    if os.environ.get(FAKE_ENV) != "1" or _installed is not None:
+        return None
+    _installed = contextlib.ExitStack()
+    fake = _installed.enter_context(fake_accelerator())
+    atexit.register(_installed.close)
+    return fake

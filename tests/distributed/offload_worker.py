@@ -38,6 +38,10 @@ from _cases import Case
 from _models import make_data, tiny_model
 
 
+PIN = False
+"""pin_memory of every offload section (set under the fake accelerator)."""
+FAKE = None
+
 @dataclass(frozen=True)
 class OffloadCase:
     stage: int
@@ -80,9 +84,10 @@ class OffloadCase:
         zero["sub_group_size"] = self.sub_group_size
         if self.optimizer != "none":
             zero["offload_optimizer"] = {"device": self.optimizer, "nvme_path": nvme_dir,
-                                         "buffer_count": self.buffer_count, "ratio": self.ratio}
+                                         "buffer_count": self.buffer_count, "ratio": self.ratio, "pin_memory": PIN}
         if self.params != "none":
-            zero["offload_param"] = {"device": self.params, "nvme_path": nvme_dir, "max_in_cpu": self.max_in_cpu}
+            zero["offload_param"] = {"device": self.params, "nvme_path": nvme_dir, "max_in_cpu": self.max_in_cpu,
+                                     "pin_memory": PIN}
         cfg["aio"] = {"block_size": 8192, "queue_depth": 4, "thread_count": 2}
         for key, value in self.extra.items():
             cfg["aio"][key] = value
@@ -348,6 +353,11 @@ def main() -> None:
     from tests.strict_collectives import install_from_env
 
     install_from_env()  # HF_ZERO_STRICT_COLLECTIVES=1: test-only strict collectives, never by hf_zero
+    from tests.fake_accelerator import install_from_env as install_fake
+
+    global PIN, FAKE
+    FAKE = install_fake()  # HF_ZERO_FAKE_ACCELERATOR=1: the GPU's control flow (copies land late)
+    PIN = FAKE is not None  # pinned buffers, so that the device<->host copies are asynchronous
     init_distributed()
     with open(cases_path) as f:
         cases = [OffloadCase(**c) for c in json.load(f)] if mode != "faults" else []
@@ -383,6 +393,9 @@ def main() -> None:
             results[scenario] = per_rank
     else:
         raise SystemExit(f"unknown mode {mode}")
+    if FAKE is not None:
+        FAKE.flush()
+        results["fake_async_copies"] = FAKE.async_copies
     if dist.get_rank() == 0:
         torch.save(results, out_path + ".tmp")
         os.replace(out_path + ".tmp", out_path)

@@ -60,12 +60,12 @@ RESUME_CASES = [
 RTOL = 1e-6
 
 
-def _launch(mode: str, cases: list[OffloadCase], tmp) -> dict:
+def _launch(mode: str, cases: list[OffloadCase], tmp, env: dict | None = None) -> dict:
     nvme = tmp / "nvme"
     nvme.mkdir()
     (tmp / "cases.json").write_text(json.dumps([c.to_dict() for c in cases]))
     torchrun("tests/distributed/offload_worker.py", mode, str(tmp / "cases.json"), str(tmp / "out.pt"), str(nvme),
-             nproc=WORLD, timeout=300)
+             nproc=WORLD, timeout=300, env=env)
     result = torch.load(tmp / "out.pt", weights_only=False)
     result["_leftover"] = sorted(os.listdir(nvme))
     return result
@@ -95,6 +95,37 @@ def test_offloaded_run_equals_non_offloaded(case: OffloadCase, runs):
     for name, tensor in base["final_state"].items():
         _close(got["final_state"][name], tensor, name)
     # The weights moved (4 real steps): a run that never stepped would not match the baseline.
+    assert got["losses"][0] != got["losses"][-1]
+
+
+# The same comparison with the GPU's control flow (tests/fake_accelerator.py in each rank: pinned
+# buffers, device<->host copies that land late and leave poison until their event completes) and
+# strict collectives (no host tensor in a collective), on the paths the fake changes: every tier
+# at stages 2/3 with accumulation (staged host accumulation), the stage-1 broadcast, fp16 unscale.
+FAKE_CASES = [
+    C(stage=1, dtype="bf16", gas=2, model="llama", optimizer="cpu"),
+    C(stage=2, dtype="fp32", gas=2, model="llama", optimizer="cpu"),
+    C(stage=3, dtype="bf16", gas=2, model="qwen2_tied", optimizer="cpu", params="cpu"),
+    C(stage=3, dtype="fp32", gas=2, model="qwen2_tied", optimizer="nvme"),
+    C(stage=2, dtype="fp16", gas=2, model="qwen2_tied", optimizer="cpu"),
+]
+
+
+@pytest.fixture(scope="module")
+def fake_runs(tmp_path_factory):
+    return _launch("parity", FAKE_CASES, tmp_path_factory.mktemp("offload_fake"),
+                   env={"HF_ZERO_FAKE_ACCELERATOR": "1", "HF_ZERO_STRICT_COLLECTIVES": "1"})
+
+
+@pytest.mark.parametrize("case", FAKE_CASES, ids=lambda c: c.full_name)
+def test_offloaded_run_under_the_fake_accelerator_equals_non_offloaded(case: OffloadCase, fake_runs):
+    assert fake_runs["fake_async_copies"] > 0, "no asynchronous copy: the fake was not installed"
+    got, base = fake_runs[case.full_name], fake_runs["baselines"][case.base.name]
+    assert all(torch.isfinite(torch.tensor(got["grad_norms"]))), "host gradients read before their copies landed"
+    _close(got["losses"], base["losses"], "losses")
+    _close(got["grad_norms"], base["grad_norms"], "grad norms")
+    for name, tensor in base["final_state"].items():
+        _close(got["final_state"][name], tensor, name)
     assert got["losses"][0] != got["losses"][-1]
 
 
