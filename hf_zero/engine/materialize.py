@@ -557,6 +557,8 @@ def _check_same_structure(params, buffers, group, device) -> None:
 
 def _offloaded_params(model: nn.Module) -> set[int]:
     """ids of parameters in FSDP units with a CPU offload policy (their shards live on the CPU)."""
+    from hf_zero.distributed.fsdp_internals import param_groups
+
     ids: set[int] = set()
     try:
         from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
@@ -566,11 +568,7 @@ def _offloaded_params(model: nn.Module) -> set[int]:
         if not isinstance(module, FSDPModule):
             continue
         try:
-            state = module._get_fsdp_state()
-            groups = getattr(state, "_fsdp_param_groups", None)  # torch 2.12+: a list
-            if groups is None:  # torch 2.9-2.11: one group per unit
-                group = state._fsdp_param_group
-                groups = [group] if group is not None else []
+            groups = param_groups(module)
         except Exception:  # noqa: BLE001 - torch-private; without it the caller passes param_device
             continue
         for group in groups:

@@ -37,6 +37,7 @@ from torch import nn
 
 from hf_zero.config.schema import AioConfig, OffloadParamConfig
 from hf_zero.distributed import device as accel
+from hf_zero.distributed.fsdp_internals import param_groups
 from hf_zero.offload.base import OffloadError, TierReport, empty_report, nbytes
 from hf_zero.offload.pinned import pinning_fits, pow2_ceil
 
@@ -181,11 +182,7 @@ class NvmeParamSwapper:
         self._closed = False
         self._pinned_units: set[int] = set()
         groups = []
-        for module in fsdp_modules:
-            state = getattr(module, "_get_fsdp_state", None)
-            group = getattr(state(), "_fsdp_param_group", None) if state is not None else None
-            if group is None:
-                continue
+        for group in (g for module in fsdp_modules for g in param_groups(module)):
             if not hasattr(group, "unshard") or not hasattr(group, "fsdp_params") or not hasattr(group, "lazy_init"):
                 raise OffloadError(
                     f"{_SETTING}.device=nvme relies on FSDP2's FSDPParamGroup.unshard/fsdp_params, which this "
