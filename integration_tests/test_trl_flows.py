@@ -123,10 +123,12 @@ BF16 = {"dpo_bf16", "sft_bf16"}
 # teacher (the policy's size), or the reward model.
 FROZEN = {"dpo_sync": "policy", "dpo_bf16": "policy", "grpo": "policy", "rloo": "policy", "kto": "policy", "distill": "policy",
           "grpo_rm": "reward_model"}
-# One hf-zero launch per group; SFT at stage 1 passed once and is not kept (CI time).
+# One hf-zero launch per group. Passed once and not kept (CI time): SFT at stage 1; KTO, RLOO, the
+# reward trainer, distillation, GRPO with a reward model and bf16 DPO at stage 1 (one more launch).
 LAUNCHES = {
     "s0_s1": [("dpo_sync", 0), ("dpo_sync", 1)],
-    "s2": [("sft", 2), ("sft_lora", 2), ("dpo_sync", 2), ("grpo", 2), ("sft_bf16", 2)],
+    "s2": [("sft", 2), ("sft_lora", 2), ("dpo_sync", 2), ("grpo", 2), ("sft_bf16", 2), ("kto", 2), ("rloo", 2),
+           ("reward", 2), ("distill", 2), ("grpo_rm", 2)],
     "s3": [("sft", 3), ("sft_lora", 3), ("dpo_sync", 3), ("grpo", 3), ("rloo", 3), ("kto", 3), ("reward", 3),
            ("distill", 3), ("grpo_rm", 3), ("dpo_bf16", 3)],
 }
