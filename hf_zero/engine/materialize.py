@@ -408,9 +408,7 @@ def _flags(model: nn.Module, group, device: torch.device) -> tuple[bool, bool]:
     return bool(flags[0]), bool(flags[1])
 
 
-def capture_full_state(
-    model: nn.Module, mesh=None, *, sync_all: bool = True, release_parameters: bool = False
-) -> dict[str, torch.Tensor] | None:
+def capture_full_state(model: nn.Module, mesh=None, *, sync_all: bool = True) -> dict[str, torch.Tensor] | None:
     """Collective; call before ``fully_shard``. On the source rank (rank 0 of the mesh) returns
     ``{name: tensor}`` aliasing its full parameters (no copy), ``{}`` on the other ranks; None in a
     single process, and None when ``sync_all`` is False and no rank has meta tensors (then
@@ -421,11 +419,6 @@ def capture_full_state(
             ranks hold real weights, so ranks that built different weights (a LoRA made before
             the Trainer seeds, per-process random seeds) start from one point, as DDP and
             DeepSpeed do. False: fill only ranks that hold meta tensors.
-        release_parameters: after the capture, every rank's parameters are replaced by meta
-            tensors of the same shape and dtype (tied ones stay tied; buffers are kept). Rank 0's
-            weights then live only in the returned dict, which the fill empties tensor by tensor,
-            and a dtype change made before ``fully_shard`` (the fp32 master cast) allocates
-            nothing: the shards take their dtype as they are filled.
 
     Raises:
         RuntimeError: the source rank itself has meta tensors (nothing to fill the others from).
@@ -446,17 +439,18 @@ def capture_full_state(
         )
     if not any_meta and not sync_all:
         return None
-    captured = {} if _group_rank(group) != _SOURCE else {name: p.detach() for name, p in model.named_parameters()}
-    if release_parameters:
-        _release_parameters(model)
-    return captured
+    if _group_rank(group) != _SOURCE:
+        return {}
+    return {name: p.detach() for name, p in model.named_parameters()}
 
 
-def _release_parameters(model: nn.Module) -> None:
+def _release_parameters(model: nn.Module) -> list[tuple[nn.Module, str, nn.Parameter]]:
     """Replace every parameter by a meta tensor of its shape and dtype, keeping ties and the
-    parameter's attributes. New Parameter objects are fine here: ``fully_shard`` replaces them
-    with DTensor parameters right after anyway. Subclasses (quantized weights) are left alone;
-    :func:`_allocate_meta` and the fill treat a partly meta model as before."""
+    parameter's attributes; returns ``(module, name, original)`` for :func:`_restore_parameters`.
+    New Parameter objects are fine here: ``fully_shard`` replaces them with DTensor parameters
+    right after anyway. Subclasses (quantized weights) are left alone; :func:`_allocate_meta` and
+    the fill treat a partly meta model as before."""
+    originals: list[tuple[nn.Module, str, nn.Parameter]] = []
     replacement: dict[int, nn.Parameter] = {}
     for module in model.modules():
         for key, param in list(module._parameters.items()):
@@ -467,7 +461,14 @@ def _release_parameters(model: nn.Module) -> None:
                 new = nn.Parameter(torch.empty_like(param, device="meta"), requires_grad=param.requires_grad)
                 new.__dict__.update(param.__dict__)
                 replacement[id(param)] = new
+            originals.append((module, key, param))
             module._parameters[key] = new
+    return originals
+
+
+def _restore_parameters(originals: list[tuple[nn.Module, str, nn.Parameter]]) -> None:
+    for module, key, param in originals:
+        module._parameters[key] = param
 
 
 def fill_sharded_from_rank0(
@@ -522,7 +523,9 @@ def sharded_from_rank0(
 ) -> Iterator[None]:
     """Wrap the ``fully_shard`` calls: captures rank 0's full parameters on entry and fills every
     rank's shards on exit (see the module docstring). With ``sync_all=False``, a no-op beyond one
-    tiny all-reduce when no rank holds meta tensors.
+    tiny all-reduce when no rank holds meta tensors. With ``release_parameters``, every rank's
+    parameters are meta tensors inside the block, so a dtype change there allocates nothing; if
+    the block raises, rank 0's parameters are put back.
 
     Example (what ``FullyShardedStage.wrap`` does)::
 
@@ -531,13 +534,25 @@ def sharded_from_rank0(
                 fully_shard(block, mesh=mesh)
             fully_shard(model, mesh=mesh)
     """
-    full_state = capture_full_state(model, mesh, sync_all=sync_all, release_parameters=release_parameters)
+    full_state = capture_full_state(model, mesh, sync_all=sync_all)
+    # release_parameters: every rank's parameters go to the meta device (rank 0's weights live on
+    # in full_state, which the fill empties tensor by tensor), so that a dtype change made inside
+    # the block (the fp32 master cast) allocates nothing. Rank 0 keeps its originals until the
+    # block has run (they alias full_state: no extra memory), to give the model back if it fails;
+    # on the other ranks they would be replaced by rank 0's weights anyway, and are dropped.
+    keep: list[tuple[nn.Module, str, nn.Parameter]] = []
+    if release_parameters and full_state is not None:
+        originals = _release_parameters(model)
+        keep = originals if full_state else []
+        del originals
     try:
         yield
     except BaseException:
+        _restore_parameters(keep)  # rank 0's model as it was (the other ranks' are on the meta device)
         if full_state is not None:
             full_state.clear()
         raise
+    keep.clear()  # the fill frees rank 0's tensors one by one: nothing else may hold them
     fill_sharded_from_rank0(model, full_state, mesh, **fill_kwargs)
 
 

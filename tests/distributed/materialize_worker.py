@@ -205,6 +205,24 @@ def run_broadcast_and_noop(workdir: str) -> None:
     plain = load(path)  # outside low_memory_loading: real on every rank
     check("noop/capture_is_none", capture_full_state(plain, mesh, sync_all=False) is None)
 
+    # A block that fails after the parameters were released (an offload setup error, say) gives
+    # rank 0 its model back, weights intact; the other ranks' would have been replaced anyway.
+    before = {n: p.detach().clone() for n, p in plain.named_parameters()}
+    try:
+        with sharded_from_rank0(plain, mesh, release_parameters=True):
+            inside_meta = has_meta_params(plain)
+            raise RuntimeError("setup failed inside the block")
+    except RuntimeError as exc:
+        raised = "setup failed" in str(exc)
+    check("release/meta_inside_block", inside_meta)
+    check("release/error_propagates", raised)
+    after = dict(plain.named_parameters())
+    if dist.get_rank() == 0:
+        check("release/rank0_restored_on_error", after.keys() == before.keys() and all(
+            not after[n].is_meta and torch.equal(after[n], v) for n, v in before.items()))
+    else:
+        check("release/rank0_restored_on_error", has_meta_params(plain))  # documented: not restored here
+
 
 def run_peft(workdir: str) -> None:
     """LoRA on a meta base model: get_peft_model works; rank 0's random LoRA weights reach every rank."""

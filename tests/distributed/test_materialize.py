@@ -192,6 +192,7 @@ def test_two_ranks_fill_from_rank0(tmp_path):
         for c in ("meta_on_rank1_only", "tied_after_wrap", "weights_equal", "buffers/weights_equal", "logits_equal", "train_step",
                   "no_full_params_when_sharding")
     ] + ["qwen2_tied/lm_head_is_embedding", "broadcast/weights_equal", "noop/capture_is_none",
+         "release/meta_inside_block", "release/error_propagates", "release/rank0_restored_on_error",
          "peft/lora_meta_on_rank1_only", "peft/weights_equal", "peft/base/weights_equal", "peft/logits_equal"] + [
         f"resize-{m}/{c}" for m in ("qwen2_tied", "llama")
         for c in ("meta_on_rank1_only", "weights_equal", "shape", "tied_after_wrap", "logits_equal")
