@@ -9,11 +9,9 @@ import pytest
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
+from transformers import AutoModelForCausalLM
 
-from hf_zero import ZeroTrainer, ZeroTrainingArguments
-
-from _tiny import TINY, token_dataset
+from _tiny import TINY, make_trainer
 
 PROMPT = [[5, 17, 42, 99, 7, 250]]
 
@@ -26,14 +24,7 @@ def _lora_model():
 
 def _train(tmp_path, stage):
     name = "plain" if stage is None else f"zero{stage}"
-    common = dict(output_dir=str(tmp_path / name), per_device_train_batch_size=4, max_steps=3, logging_steps=1,
-                  report_to="none", save_strategy="no", learning_rate=2e-2, seed=3, use_cpu=True, disable_tqdm=True)
-    model = _lora_model()
-    if stage is None:
-        trainer = Trainer(model=model, args=TrainingArguments(**common), train_dataset=token_dataset())
-    else:
-        args = ZeroTrainingArguments(zero_config={"zero_optimization": {"stage": stage}}, **common)
-        trainer = ZeroTrainer(model=model, args=args, train_dataset=token_dataset())
+    trainer = make_trainer(tmp_path, stage, model=_lora_model(), learning_rate=2e-2)
     trainer.train()
     out = tmp_path / f"{name}-adapter"
     trainer.save_model(str(out))

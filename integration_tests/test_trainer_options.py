@@ -20,47 +20,18 @@ from transformers import (
     AutoTokenizer,
     DataCollatorForSeq2Seq,
     EarlyStoppingCallback,
-    Seq2SeqTrainer,
-    Seq2SeqTrainingArguments,
-    Trainer,
     TrainerCallback,
-    TrainingArguments,
 )
 
 import hf_zero
-from hf_zero import ZeroSeq2SeqTrainer, ZeroSeq2SeqTrainingArguments, ZeroTrainer, ZeroTrainingArguments
+from hf_zero import ZeroTrainer
 from hf_zero.engine.sharded_optimizer import ShardedOptimizerError
 
-from _tiny import TINY, token_dataset
+from _tiny import TINY, make_trainer, token_dataset
 
 # In one process, but about 80 Trainer runs (~1.5 min): outside the quick subset.
 pytestmark = pytest.mark.slow
 STAGES = [0, 1, 2, 3]
-
-
-def _quiet():
-    logging.getLogger("transformers").setLevel(logging.ERROR)
-
-
-def make_trainer(tmp_path, stage, *, model=None, seq2seq=False, zero=None, trainer_kwargs=None, **arguments):
-    """A Trainer over the tiny Qwen2 and 16 random sequences: transformers' own when ``stage`` is
-    None, else hf_zero's with ``{"zero_optimization": {"stage": stage}}`` (plus ``zero``)."""
-    _quiet()
-    options = dict(output_dir=str(tmp_path / f"out-{stage}"), per_device_train_batch_size=4, max_steps=3,
-                   logging_steps=1, report_to="none", save_strategy="no", learning_rate=1e-3, seed=3,
-                   use_cpu=True, disable_tqdm=True)
-    options.update(arguments)
-    trainer_kwargs = dict(trainer_kwargs or {})
-    trainer_kwargs.setdefault("train_dataset", token_dataset())
-    if model is None and "model_init" not in trainer_kwargs:
-        model = AutoModelForCausalLM.from_pretrained(TINY)
-    if stage is None:
-        args_cls, trainer_cls = (Seq2SeqTrainingArguments, Seq2SeqTrainer) if seq2seq else (TrainingArguments, Trainer)
-        args = args_cls(**options)
-    else:
-        args_cls, trainer_cls = (ZeroSeq2SeqTrainingArguments, ZeroSeq2SeqTrainer) if seq2seq else (ZeroTrainingArguments, ZeroTrainer)
-        args = args_cls(zero_config={"zero_optimization": {"stage": stage}, **(zero or {})}, **options)
-    return trainer_cls(model=model, args=args, **trainer_kwargs)
 
 
 def history(trainer, key="loss"):

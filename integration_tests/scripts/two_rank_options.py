@@ -23,10 +23,12 @@ from pathlib import Path
 
 import torch
 from datasets import Dataset
-from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
+from transformers import AutoModelForCausalLM
 
-from hf_zero import ZeroTrainer, ZeroTrainingArguments
 from hf_zero.engine.sharded_optimizer import ShardedOptimizerError
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # integration_tests/: the shared helpers
+from _tiny import make_trainer  # noqa: E402
 
 TINY = Path(__file__).resolve().parents[2] / "assets" / "tiny-qwen2"
 GALORE = dict(optim="galore_adamw", optim_target_modules=["q_proj", "v_proj"],
@@ -47,16 +49,11 @@ def masked_dataset(n: int = 16, seq: int = 16) -> Dataset:
 def train(out: Path, name: str, stage: int | None, **options):
     """Train the tiny Qwen2 3 steps (2 ranks x 2 sequences x 2 accumulation steps); ``stage`` None is
     the plain Trainer. Saves the model and the state under out/name."""
-    common = dict(output_dir=str(out / name), per_device_train_batch_size=2, gradient_accumulation_steps=2,
-                  max_steps=3, logging_steps=1, report_to="none", save_strategy="no", learning_rate=2e-3,
-                  seed=3, disable_tqdm=True, max_grad_norm=1.0, use_cpu=True)
-    common.update(options)
+    arguments = dict(output_dir=str(out / name), per_device_train_batch_size=2, gradient_accumulation_steps=2,
+                     learning_rate=2e-3, max_grad_norm=1.0)
+    arguments.update(options)
     model = AutoModelForCausalLM.from_pretrained(TINY)
-    if stage is None:
-        trainer = Trainer(model=model, args=TrainingArguments(**common), train_dataset=masked_dataset())
-    else:
-        args = ZeroTrainingArguments(zero_config={"zero_optimization": {"stage": stage}}, **common)
-        trainer = ZeroTrainer(model=model, args=args, train_dataset=masked_dataset())
+    trainer = make_trainer(out, stage, model=model, trainer_kwargs={"train_dataset": masked_dataset()}, **arguments)
     trainer.train()
     trainer.save_model()
     trainer.save_state()
