@@ -78,7 +78,8 @@ class StagedAccumulation:
         """``dst += src`` (``dst`` a host fp32 buffer, ``src`` on the accelerator), without waiting
         for the copy here. Call :meth:`usable` first."""
         assert self._worker is not None, "StagedAccumulation.add before usable()"
-        self._reap()
+        # An add's error is not raised here, inside the backward of one rank (the others would wait
+        # in the next reduce-scatter): drain() raises it where the readers of the gradients are.
         n = src.numel()
         block = self._free.get()  # waits only while both blocks are still being added
         view = block[:n]
@@ -94,13 +95,6 @@ class StagedAccumulation:
             dst.add_(view)
         finally:
             self._free.put(block)
-
-    def _reap(self) -> None:
-        """Raise a finished add's error early; forget the finished ones."""
-        done = [f for f in self._pending if f.done()]
-        self._pending = [f for f in self._pending if not f.done()]
-        for future in done:
-            future.result()
 
     def drain(self) -> None:
         """Block until every add issued so far is in its host buffer (re-raises an add's error)."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 import ast
 import math
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -266,3 +267,23 @@ def test_nvme_eviction_waits_for_the_units_read_not_the_whole_device(tmp_path, m
     assert evictions, "no unit was evicted: max_in_cpu too large for the test to prove anything"
     assert set(map(id, evictions)) <= set(map(id, made)), "waited on an event the unit did not record"
     assert synced == [], f"device-wide synchronize on eviction: {synced}"
+
+
+def test_a_failed_staged_add_is_raised_by_drain_not_inside_the_backward():
+    """An error of the accumulation worker must not surface in the gradient hook of one rank (the
+    other ranks would wait in the next reduce-scatter): the next add goes on, drain() raises it."""
+    from hf_zero.offload.grad_accumulation import StagedAccumulation
+
+    def failing():
+        raise RuntimeError("device fault while waiting")
+
+    with fake_accelerator():
+        acc = StagedAccumulation(4, pin=True, setting="offload_optimizer.pin_memory", before_add=failing)
+        assert acc.usable()
+        host = accel.pinned_empty(16).view(torch.float32).zero_()
+        acc.add(host, torch.ones(4))
+        time.sleep(0.05)  # the worker has failed by now
+        acc.add(host, torch.ones(4))  # not raised here
+        with pytest.raises(RuntimeError, match="device fault"):
+            acc.drain()
+        acc.close()
