@@ -74,7 +74,10 @@ class ZeroArgumentsMixin:
 
 # The transformers-4 names (integration/versions.py) as fields, so that the argument parser takes
 # the old flags and ``TrainingArguments(no_cuda=True)`` is not a TypeError; __post_init__ maps them.
-TransformersV4Arguments = make_dataclass("TransformersV4Arguments", removed_argument_fields())
+# Keyword-only, and listed after transformers' own fields (the class comes before TrainingArguments
+# in the bases, and dataclass collects fields from the last base first): a positional argument
+# binds as in the installed TrainingArguments, so TrainingArguments("out") sets output_dir.
+TransformersV4Arguments = make_dataclass("TransformersV4Arguments", removed_argument_fields(), kw_only=True)
 
 _LATEST_CONFIG: weakref.ref | None = None
 
@@ -105,7 +108,7 @@ def _set_local_rank(args: Any) -> None:
 
 
 @dataclass
-class ZeroTrainingArguments(ZeroArgumentsMixin, TrainingArguments, TransformersV4Arguments):
+class ZeroTrainingArguments(ZeroArgumentsMixin, TransformersV4Arguments, TrainingArguments):
     """``transformers.TrainingArguments`` with ``zero_config``.
 
     Example::
@@ -114,11 +117,11 @@ class ZeroTrainingArguments(ZeroArgumentsMixin, TrainingArguments, TransformersV
         >>> parser = HfArgumentParser(ZeroTrainingArguments)   # gives --zero_config
     """
 
-    zero_config: dict | str | None = field(default=None, metadata={"help": _HELP})
+    zero_config: dict | str | None = field(default=None, kw_only=True, metadata={"help": _HELP})
 
 
 @dataclass
-class ZeroSeq2SeqTrainingArguments(ZeroArgumentsMixin, Seq2SeqTrainingArguments, TransformersV4Arguments):
+class ZeroSeq2SeqTrainingArguments(ZeroArgumentsMixin, TransformersV4Arguments, Seq2SeqTrainingArguments):
     """``Seq2SeqTrainingArguments`` with ``zero_config``."""
 
-    zero_config: dict | str | None = field(default=None, metadata={"help": _HELP})
+    zero_config: dict | str | None = field(default=None, kw_only=True, metadata={"help": _HELP})

@@ -232,3 +232,120 @@ def test_aliases_still_apply_when_transformers_names_hf_zeros_class(tmp_path, mo
     got = _parse(tmp_path, "--warmup_ratio", "0.34", "--evaluation_strategy", "steps", "--eval_steps", "5")
     assert got.warmup_steps == 0.34
     assert got.eval_strategy == "steps"
+
+
+# ------------------------------------------------------------------------------ positional arguments
+def _transformers_own(cls: type) -> type:
+    """The first class transformers itself defined in ``cls``'s MRO (under ``hf-zero run``
+    ``transformers.TrainingArguments`` is hf_zero's subclass)."""
+    return next(c for c in cls.__mro__ if c.__module__.startswith("transformers."))
+
+
+def _positional_values(plain: type, tmp_path) -> list:
+    """One value for every ``__init__`` field of ``plain``, in its order: its default, except a few
+    fields spread over the list that get values of their own, so that an argument bound one place
+    off shows up as a wrong value (or a validation error) on one side only."""
+    import dataclasses
+
+    own = {
+        "output_dir": str(tmp_path / "out"),  # the course's TrainingArguments("out")
+        "per_device_train_batch_size": 3,
+        "num_train_epochs": 2.0,
+        "max_steps": 11,
+        "learning_rate": 3e-4,
+        "logging_steps": 7,
+        "logging_dir": str(tmp_path / "logs"),  # 4.x derives the default from the clock
+        "seed": 123,
+        "report_to": "none",
+        "save_strategy": "no",
+        "remove_unused_columns": False,
+    }
+    values = []
+    for f in dataclasses.fields(plain):
+        if not f.init:
+            continue
+        default = f.default_factory() if f.default is dataclasses.MISSING else f.default
+        values.append(own.get(f.name, default))
+    assert sum(1 for f in dataclasses.fields(plain) if f.init and f.name in own) >= 8, "spread values missing"
+    return values
+
+
+def _assert_binds_like(cls: type, plain: type, tmp_path) -> None:
+    import dataclasses
+    import inspect
+
+    plain_fields = [f.name for f in dataclasses.fields(plain)]
+    ours = dataclasses.fields(cls)
+    # transformers' fields first, in its order; whatever hf_zero adds after them and keyword-only.
+    assert [f.name for f in ours[: len(plain_fields)]] == plain_fields
+    assert all(f.kw_only for f in ours[len(plain_fields):]), [f.name for f in ours[len(plain_fields):]]
+
+    def positional(c):
+        return [p.name for p in inspect.signature(c.__init__).parameters.values()
+                if p.kind is p.POSITIONAL_OR_KEYWORD][1:]
+
+    assert positional(cls) == positional(plain)
+    values = _positional_values(plain, tmp_path)
+    got, want = cls(*values), plain(*values)
+    for name in plain_fields:
+        if name == "local_rank":
+            continue  # hf_zero sets it as transformers 4 did (test_local_rank_is_set_as_transformers_4_did)
+        assert getattr(got, name) == getattr(want, name), name
+    assert got.output_dir == str(tmp_path / "out") and got.seed == 123
+    # One argument too many is refused by both, not bound to an hf_zero field.
+    for c in (cls, plain):
+        with pytest.raises(TypeError):
+            c(*values, "one too many")
+
+
+@pytest.mark.parametrize("name", ["ZeroTrainingArguments", "ZeroSeq2SeqTrainingArguments"])
+def test_positional_arguments_bind_as_in_transformers(tmp_path, name):
+    """``ZeroTrainingArguments("out")`` bound "out" to the transformers-4 ``evaluation_strategy``
+    field ("out is not a valid IntervalStrategy"): every positional argument must land where the
+    installed transformers puts it."""
+    import hf_zero.integration.arguments as arguments
+
+    cls = getattr(arguments, name)
+    _assert_binds_like(cls, _transformers_own(cls), tmp_path)
+    assert cls(str(tmp_path / "o")).output_dir == str(tmp_path / "o")
+
+
+def test_positional_arguments_of_the_swapped_classes_and_script_subclasses(tmp_path, monkeypatch):
+    """Under ``hf-zero run``: the course's ``TrainingArguments("out", ...)`` and a Qwen/Alpaca-style
+    ``@dataclass class TrainingArguments(transformers.TrainingArguments)`` with fields of its own
+    bind as with plain transformers."""
+    import dataclasses
+    from typing import Optional
+
+    import transformers.training_args
+    import transformers.training_args_seq2seq
+
+    import hf_zero.integration.arguments as arguments
+
+    real = {"TrainingArguments": transformers.TrainingArguments,
+            "Seq2SeqTrainingArguments": transformers.Seq2SeqTrainingArguments}
+    # As integration/patch.py swaps them (transformers 5 resolves top-level names from the modules).
+    for name, module in (("TrainingArguments", transformers.training_args),
+                         ("Seq2SeqTrainingArguments", transformers.training_args_seq2seq)):
+        ours = getattr(arguments, "Zero" + name)
+        monkeypatch.setattr(transformers, name, ours)
+        monkeypatch.setattr(module, name, ours)
+        swapped = getattr(transformers, name)
+        assert swapped is ours
+        _assert_binds_like(swapped, real[name], tmp_path / name)
+
+    def script_class(base):
+        @dataclasses.dataclass
+        class TrainingArguments(base):  # Qwen's finetune.py
+            cache_dir: Optional[str] = dataclasses.field(default=None)
+            optim: str = dataclasses.field(default="adamw_torch")
+            model_max_length: int = dataclasses.field(default=512)
+        return TrainingArguments
+
+    swapped_sub, plain_sub = script_class(transformers.TrainingArguments), script_class(real["TrainingArguments"])
+    values = _positional_values(plain_sub, tmp_path)
+    values[-1] = 64  # the script's own model_max_length, last in both
+    got, want = swapped_sub(*values), plain_sub(*values)
+    assert isinstance(got, arguments.ZeroTrainingArguments)
+    assert got.model_max_length == want.model_max_length == 64
+    assert (got.output_dir, got.seed, got.cache_dir) == (want.output_dir, want.seed, want.cache_dir)
