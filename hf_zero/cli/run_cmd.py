@@ -26,6 +26,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         # so an unknown or misspelt option gets that parser's message, not a bare "unrecognized".
         prefix_chars="\0",
         add_help=False,
+        allow_abbrev=False,
     )
     p.add_argument("launch_line", nargs=argparse.REMAINDER)
     p.set_defaults(func=run)
@@ -73,7 +74,7 @@ def _missing(script: str, as_module: bool) -> str | None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from hf_zero.cli.launch import LaunchLineError, launch_request, parse_launch_line, plan_request
+    from hf_zero.cli.launch import LaunchLineError, launch_request, parse_launch_line, plan_request, torchrun_namespace
 
     try:
         line = parse_launch_line(args.launch_line)
@@ -95,11 +96,17 @@ def run(args: argparse.Namespace) -> int:
         return 2
     for note in plan.notes:
         print(note, file=sys.stderr)
+    try:
+        namespace = torchrun_namespace(plan)  # SCRIPT's own arguments never go through torch's parser
+    except LaunchLineError as exc:
+        print(f"hf-zero run: {exc}", file=sys.stderr)
+        return 2
     os.environ.update(plan.env)
-    from torch.distributed.run import main as torchrun_main
+    from torch.distributed.elastic.multiprocessing.errors import record
+    from torch.distributed.run import run as torchrun_run
 
     try:
-        torchrun_main(plan.torchrun_args)
+        record(torchrun_run)(namespace)  # what torch.distributed.run.main does after parsing
     except SystemExit as exc:  # torchrun exits with the failing rank's code
         return int(exc.code or 0)
     except Exception as exc:  # ChildFailedError: the ranks already printed their tracebacks

@@ -313,6 +313,71 @@ def test_shared_options_alone_make_a_torchrun_line():
 
 
 # --------------------------------------------------------------------------------------------
+# everything after SCRIPT is the script's (issue 26): in every form, whatever it looks like
+
+_ACCELERATE_YAML = """\
+compute_environment: LOCAL_MACHINE
+deepspeed_config:
+  zero_stage: 2
+distributed_type: DEEPSPEED
+num_machines: 1
+num_processes: 2
+"""
+
+
+def _launcher_lookalikes() -> list[str]:
+    """Script arguments that are every launcher option's exact name, and that prefix-match them
+    (``--log`` prefixes --log_dir, --log-dir, --logs_specs, --log_level; ``--num`` --num_gpus...)."""
+    from hf_zero.cli.launch import build_launch_parser
+
+    parser, _ = build_launch_parser()
+    exact = sorted(s for s in parser._option_string_actions if s.startswith("--"))
+    prefixes = sorted({s[:n] for s in exact for n in (len(s) - 1, 5) if n > 2} - set(exact))
+    return ["--log", "steps.jsonl", *prefixes, *exact, "--nproc_per_node=3", "-r3", "-m", "x", "--", "-h"]
+
+
+@pytest.mark.parametrize("form", ["--nproc_per_node 2", "--num_gpus 2", "--config_file {yaml}",
+                                  "--num_processes 2 --use_deepspeed"])
+def test_script_arguments_go_to_the_script_whatever_they_look_like(form, tmp_path):
+    from accelerate.commands.launch import launch_command_parser
+
+    from hf_zero.cli.launch import torchrun_namespace
+
+    yaml = tmp_path / "cfg.yaml"
+    yaml.write_text(_ACCELERATE_YAML)
+    launcher = shlex.split(form.format(yaml=yaml))
+    script_args = _launcher_lookalikes()
+    plan = plan_launch_line([*launcher, "train.py", *script_args], env={})
+    ranks = torchrun_namespace(plan)  # what torch's launcher runs: the bootstrap, with these arguments
+    assert (ranks.module, ranks.training_script) == (True, plan.torchrun_args[plan.rank_args_at - 1])
+    assert ranks.training_script_args == ["train.py", *script_args]
+    # accelerate's own parser (no abbreviations) gives its script the same list
+    assert launch_command_parser().parse_args(["train.py", *script_args]).training_script_args == script_args
+    assert int(ranks.nproc_per_node) == 2  # the script's --nproc_per_node=3 changed nothing
+
+
+@pytest.mark.parametrize("line, whole", [("--nproc 2 t.py", "--nproc_per_node"), ("--num_g 2 t.py", "--num_gpus"),
+                                         ("--num_proc 2 t.py", "--num_processes"),
+                                         ("--config cfg.yaml t.py", "--config_file"),
+                                         ("--master_p 29501 t.py", "--master_port")])
+def test_launcher_options_are_never_abbreviated(line, whole):
+    """Three launchers' options share prefixes; a prefix before SCRIPT is refused with the whole names
+    (accelerate launch takes no abbreviation either)."""
+    message = _error(line)
+    assert f"unknown launcher option {line.split()[0]}" in message and whole in message, message
+
+
+def test_module_scripts_and_a_double_dash_keep_their_arguments():
+    from hf_zero.cli.launch import torchrun_namespace
+
+    ranks = torchrun_namespace(_plan("--nproc_per_node 2 -m pkg.train --log x --module"))
+    assert ranks.training_script_args == ["-m", "pkg.train", "--log", "x", "--module"]
+    ranks = torchrun_namespace(_plan("--num_gpus 2 -- train.py --num_gpus 3"))
+    assert ranks.training_script_args == ["train.py", "--num_gpus", "3"]
+    assert int(ranks.nproc_per_node) == 2
+
+
+# --------------------------------------------------------------------------------------------
 # errors name the option and what to do
 
 
@@ -423,13 +488,13 @@ with open(os.path.join(out, "rank%s.json" % os.environ["RANK"]), "w") as f:
 """
 
 
-def _launch_and_read(prefix: list[str], script: Path, out: Path) -> dict[int, dict]:
+def _launch_and_read(prefix: list[str], script: Path, out: Path, *extra: str) -> dict[int, dict]:
     import json
 
     out.mkdir()
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     env.pop(PASS_LOCAL_RANK_ENV, None)
-    proc = subprocess.run([*prefix, str(script), "--out", str(out), "--flag"], cwd=script.parent, env=env,
+    proc = subprocess.run([*prefix, str(script), "--out", str(out), "--flag", *extra], cwd=script.parent, env=env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, f"{prefix} exited {proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
     records = {int(p.stem[4:]): json.loads(p.read_text()) for p in out.glob("rank*.json")}
@@ -448,18 +513,22 @@ def test_torchrun_and_deepspeed_lines_start_two_ranks_like_their_launchers(tmp_p
     line = ["--standalone", "--nnodes=1", "--nproc_per_node=2"]
     plain = _launch_and_read([sys.executable, "-m", "torch.distributed.run", *line], script, tmp_path / "plain")
     hf_zero_run = [sys.executable, "-m", "hf_zero.cli.main", "run"]
-    torchrun_form = _launch_and_read([*hf_zero_run, *line], script, tmp_path / "torchrun_form")
-    deepspeed_form = _launch_and_read([*hf_zero_run, "--num_gpus", "2"], script, tmp_path / "deepspeed_form")
+    # Script arguments that prefix-match or equal launcher options are the script's (issue 26). Plain
+    # torchrun cannot take --log on Python 3.11 (its parser abbreviates): the reference goes without them.
+    lookalikes = ["--log", "steps.jsonl", "--nproc_per_node", "3", "--num", "1", "--master_p", "9"]
+    torchrun_form = _launch_and_read([*hf_zero_run, *line], script, tmp_path / "torchrun_form", *lookalikes)
+    deepspeed_form = _launch_and_read([*hf_zero_run, "--num_gpus", "2"], script, tmp_path / "deepspeed_form",
+                                      *lookalikes)
     for rank in (0, 1):
         # the torchrun line: what plain torchrun gives the script, with transformers' Trainer swapped
-        assert _argv(torchrun_form[rank], tmp_path / "torchrun_form") == _argv(plain[rank], tmp_path / "plain") \
-            == ["--out", "OUT", "--flag"]
+        assert _argv(plain[rank], tmp_path / "plain") == ["--out", "OUT", "--flag"]
+        assert _argv(torchrun_form[rank], tmp_path / "torchrun_form") == ["--out", "OUT", "--flag", *lookalikes]
         assert torchrun_form[rank]["env"] == plain[rank]["env"] == {"RANK": str(rank), "LOCAL_RANK": str(rank),
                                                                     "WORLD_SIZE": "2"}
         assert plain[rank]["trainer_module"] is None
         assert torchrun_form[rank]["trainer_module"].startswith("hf_zero.")
         # the DeepSpeed line: 2 processes on CPU too, --local_rank=N first (deepspeed/launcher/launch.py)
         assert _argv(deepspeed_form[rank], tmp_path / "deepspeed_form") == [f"--local_rank={rank}", "--out", "OUT",
-                                                                            "--flag"]
+                                                                            "--flag", *lookalikes]
         assert deepspeed_form[rank]["env"] == plain[rank]["env"]
         assert deepspeed_form[rank]["trainer_module"].startswith("hf_zero.")

@@ -13,6 +13,7 @@ from hf_zero.cli.launch.plan import (
     plan_launch,
     plan_launch_line,
     plan_request,
+    torchrun_namespace,
 )
 from hf_zero.cli.launch.request import LaunchLineError, LaunchRequest
 
@@ -28,4 +29,5 @@ __all__ = [
     "plan_launch",
     "plan_launch_line",
     "plan_request",
+    "torchrun_namespace",
 ]

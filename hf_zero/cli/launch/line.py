@@ -43,11 +43,6 @@ class _LaunchParser(argparse.ArgumentParser):
     """argparse that raises :class:`LaunchLineError` instead of printing and exiting, so that
     ``hf-zero run`` reports every bad line the same way (and tests can read the message)."""
 
-    def _get_option_tuples(self, option_string):
-        # accelerate's parser takes no abbreviations (allow_abbrev=False), so its options are matched
-        # whole only; a prefix of them (a script's --deepspeed after SCRIPT) stays unambiguous.
-        return [t for t in super()._get_option_tuples(option_string) if not t[0].dest.startswith("accelerate.")]
-
     def error(self, message: str):
         if message.startswith("the following arguments are required"):
             message = "no SCRIPT given"  # argparse would also list SCRIPT ARGS, which may be empty
@@ -61,7 +56,9 @@ def build_launch_parser() -> tuple[argparse.ArgumentParser, dict[str, str]]:
         The parser, and DeepSpeed option name -> the key it is recorded under
         (see :func:`hf_zero.cli.launch.deepspeed_form.add_deepspeed_options`).
     """
-    parser = _LaunchParser(prog="hf-zero run", usage=USAGE, description=DESCRIPTION,
+    # allow_abbrev=False: an option is matched by its whole name only, as accelerate launch does;
+    # three launchers' options share prefixes (--log could be --log_dir, --log-dir, --log_level...).
+    parser = _LaunchParser(prog="hf-zero run", usage=USAGE, description=DESCRIPTION, allow_abbrev=False,
                            formatter_class=argparse.RawDescriptionHelpFormatter)
     add_torchrun_options(parser)
     keys = add_deepspeed_options(parser)
@@ -102,11 +99,38 @@ def parse_launch_line(argv: Sequence[str]) -> ParsedLine:
         SystemExit: ``-h``/``--help`` (after printing the help).
     """
     parser, keys = build_launch_parser()
-    namespace, unknown = parser.parse_known_args(list(argv))
-    if unknown:
-        raise LaunchLineError(_unknown_option_message(unknown[0], parser))
+    argv = list(argv)
+    at = _script_index(argv, parser)
+    options = argv[:at]
+    if argv[at:at + 1] == ["--"]:  # `hf-zero run --nproc_per_node 2 -- train.py`, as torchrun takes it
+        at += 1
+    # Only the launcher's part is parsed: everything after SCRIPT is the script's, whatever it looks
+    # like (argparse would otherwise read a script's --log or --nproc_per_node as a launcher option).
+    namespace = parser.parse_args([*options, *argv[at:at + 1]])
     return ParsedLine(given=given_options(namespace), deepspeed_keys=keys, script=namespace.script,
-                      script_args=tuple(namespace.script_args), accelerate_keys=parser.accelerate_keys)
+                      script_args=tuple(argv[at + 1:]), accelerate_keys=parser.accelerate_keys)
+
+
+def _script_index(argv: list[str], parser: argparse.ArgumentParser) -> int:
+    """Where SCRIPT is in ``argv``: the first argument that is neither a launcher option (whole name,
+    ``--opt=value`` or ``-rVALUE``) nor an option's value; ``len(argv)`` when there is none.
+
+    Raises:
+        LaunchLineError: an unknown option before SCRIPT (with the closest known one).
+    """
+    actions = parser._option_string_actions  # argparse's own table of declared option strings
+    i = 0
+    while i < len(argv):
+        token = argv[i]
+        if token == "--" or not token.startswith("-") or token == "-":
+            return i
+        if token in actions:
+            i += 1 if actions[token].nargs == 0 else 2
+        elif token.split("=", 1)[0] in actions or (not token.startswith("--") and token[:2] in actions):
+            i += 1  # --opt=value, -rVALUE (or combined short flags, which argparse checks)
+        else:
+            raise LaunchLineError(_unknown_option_message(token, parser))
+    return len(argv)
 
 
 def launch_request(line: ParsedLine, *, gpu_count: int, env: Mapping[str, str]) -> LaunchRequest:
@@ -159,8 +183,12 @@ def _accelerate_line(line: ParsedLine, accelerate_only: list[str], *, gpu_count:
 def _unknown_option_message(token: str, parser: argparse.ArgumentParser) -> str:
     option = token.split("=", 1)[0]
     known = [s for s in parser._option_string_actions if s.startswith("--")]
+    longer = sorted(s for s in known if s.startswith(option))
     close = difflib.get_close_matches(option, known, n=1)
-    hint = f" (did you mean {close[0]}?)" if close else ""
+    if longer:  # an abbreviation: hf-zero run, like accelerate launch, takes whole names only
+        hint = f" (options are not abbreviated: write one of {', '.join(longer[:6])} in full)"
+    else:
+        hint = f" (did you mean {close[0]}?)" if close else ""
     return (f"unknown launcher option {option}{hint}. hf-zero run takes torchrun's options, the DeepSpeed "
             "launcher's one-node options and accelerate launch's options before SCRIPT (hf-zero run --help lists them); options for your script go "
             "after SCRIPT")

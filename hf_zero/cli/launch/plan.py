@@ -18,7 +18,8 @@ from hf_zero.cli.launch.torchrun_form import (
 )
 from hf_zero.integration.bootstrap import PASS_LOCAL_RANK_ENV
 
-__all__ = ["BOOTSTRAP_MODULE", "LaunchPlan", "P2P_FIXED_DRIVER", "nccl_env_for_gpus", "p2p_usable", "plan_launch", "plan_launch_line", "plan_request"]
+__all__ = ["BOOTSTRAP_MODULE", "LaunchPlan", "P2P_FIXED_DRIVER", "nccl_env_for_gpus", "p2p_usable", "plan_launch", "plan_launch_line",
+           "plan_request", "torchrun_namespace"]
 
 BOOTSTRAP_MODULE = "hf_zero.integration.bootstrap"
 
@@ -83,11 +84,34 @@ def nccl_env_for_gpus(gpu_names: Sequence[str], p2p_ok: bool, env: Mapping[str, 
 
 @dataclass(frozen=True)
 class LaunchPlan:
-    """The torchrun arguments and extra environment of one ``hf-zero run``."""
+    """The torchrun arguments and extra environment of one ``hf-zero run``.
+
+    Attributes:
+        torchrun_args: the whole torchrun command line (shown to the user; tests read it).
+        env: variables to add for the ranks.
+        notes: lines to print before launching.
+        rank_args_at: ``torchrun_args[rank_args_at:]`` are the bootstrap's arguments (SCRIPT and its
+            own arguments), handed to each rank as they are: :func:`torchrun_namespace` never lets
+            torch's parser read them (it would take a script's ``--log`` for its ``--log-dir``).
+    """
 
     torchrun_args: list[str]
     env: dict[str, str]
     notes: list[str]
+    rank_args_at: int | None = None
+
+
+def torchrun_namespace(plan: LaunchPlan):
+    """What ``torch.distributed.run.run`` is given for ``plan``: torch's parser reads the launcher
+    options and the bootstrap module, and SCRIPT with its arguments are set after it, untouched.
+
+    Raises:
+        LaunchLineError: torch's parser refused an option.
+    """
+    at = len(plan.torchrun_args) if plan.rank_args_at is None else plan.rank_args_at
+    namespace = parse_torchrun_args(plan.torchrun_args[:at])
+    namespace.training_script_args = list(plan.torchrun_args[at:])
+    return namespace
 
 
 def _cores() -> int:
@@ -129,8 +153,9 @@ def plan_request(request: LaunchRequest, *, gpu_names: Sequence[str] = (), p2p_o
             f"--nproc_per_node {parsed.nproc_per_node} starts {nproc} processes but {len(gpu_names)} GPU(s) are "
             f"visible: each rank uses GPU LOCAL_RANK, so run at most {len(gpu_names)} (--nproc_per_node "
             f"{len(gpu_names)}), or check CUDA_VISIBLE_DEVICES")
-    args += ["-m", request.bootstrap or BOOTSTRAP_MODULE, *(["-m"] if request.module else []), request.script,
-             *request.script_args]
+    args += ["-m", request.bootstrap or BOOTSTRAP_MODULE]
+    rank_args_at = len(args)
+    args += [*(["-m"] if request.module else []), request.script, *request.script_args]
 
     extra = dict(request.env)
     if request.pass_local_rank:
@@ -141,7 +166,7 @@ def plan_request(request: LaunchRequest, *, gpu_names: Sequence[str] = (), p2p_o
         # Ranks share the node's cores. torchrun would give each GPU rank a single thread, and the
         # offloaded optimizer step (a CPU AdamW over the rank's whole shard) would run on one core.
         extra["OMP_NUM_THREADS"] = str(max(1, _cores() // nproc))
-    return LaunchPlan(torchrun_args=args, env=extra, notes=[*request.notes, *notes])
+    return LaunchPlan(torchrun_args=args, env=extra, notes=[*request.notes, *notes], rank_args_at=rank_args_at)
 
 
 def plan_launch_line(argv: Sequence[str], *, gpu_names: Sequence[str] = (), p2p_ok: bool = True,
