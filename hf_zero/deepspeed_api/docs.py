@@ -31,13 +31,16 @@ def render_blocks() -> dict[str, str]:
     from hf_zero.deepspeed_api.zero3_answer import CALLER_RULES, LIBRARY_BRANCHES
     from hf_zero.integration.versions import render_table
 
-    symbols = [(", ".join(f"`{n}`" for n in s.names), s.maps_to) for s in SYMBOLS]
+    symbols = [(", ".join(f"`{n}`" for n in s.names),
+                f"imports; raises naming it when used. Instead: {s.maps_to}" if s.stand_in else s.maps_to)
+               for s in SYMBOLS]
     refused = [(f"`{name}`", hint) for name, hint in UNSUPPORTED.items()]
     callers = [(f"`{r.pattern}`", r.answer, r.why) for r in CALLER_RULES]
     branches = [(b.library, b.where, b.branch, b.under_hf_zero) for b in LIBRARY_BRANCHES]
     return {
         "deepspeed_symbols": _table(("name (and its other names)", "under hf_zero"), symbols),
-        "deepspeed_refused": _table(("name (and everything under it)", "what hf_zero offers instead"), refused),
+        "deepspeed_refused": _table(("name (and everything under it not listed above)", "what hf_zero offers instead"),
+                                    refused),
         "zero3_callers": _table(("calling module", "answer", "why"), callers),
         "library_branches": _table(("library", "where", "its DeepSpeed branch", "under hf_zero"), branches),
         "transformers_removed": render_table(),

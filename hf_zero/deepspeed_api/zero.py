@@ -30,6 +30,7 @@ from hf_zero.utils.logging import get_logger
 __all__ = [
     "ZeroParamStatus",
     "ZeroParamType",
+    "ZeroStageEnum",
     "GatheredParameters",
     "Init",
     "register_external_parameter",
@@ -55,6 +56,16 @@ class ZeroParamType(Enum):
     NORMAL = 1
     PARTITIONED = 2
     REMOTE = 3
+
+
+class ZeroStageEnum(int, Enum):
+    """DeepSpeed's ``deepspeed.runtime.zero.config.ZeroStageEnum`` (same names and values)."""
+
+    disabled = 0
+    optimizer_states = 1
+    gradients = 2
+    weights = 3
+    max_stage = 3
 
 
 # ------------------------------------------------------------------------------------------ ds_* tags
