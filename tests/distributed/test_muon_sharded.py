@@ -18,6 +18,8 @@ import math
 import pytest
 import torch
 
+from _drift_bound import adam_step_drift, assert_within, gradient_noise, muon_step_drift
+
 pytestmark = pytest.mark.slow
 
 WORLD = 2
@@ -95,18 +97,23 @@ def _muon_reference(w: torch.Tensor, grads: list[torch.Tensor]) -> torch.Tensor:
     return w
 
 
-def reference_run() -> dict[str, torch.Tensor]:
+def reference_run() -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor | float]]:
+    """The final weights, and per weight how far reduction order alone may move a sharded run
+    from them (``_drift_bound.py``: Adam's bound per entry from its second moment, Muon's per matrix)."""
     model = tiny_llama()
     named = dict(model.named_parameters())
     is_matrix = {n: p.ndim >= 2 and "embed" not in n and "lm_head" not in n for n, p in named.items()}
     adam = torch.optim.AdamW([p for n, p in named.items() if not is_matrix[n]], lr=ADAM_LR, betas=BETAS, eps=EPS,
                              weight_decay=WD)
     momentum = {n: torch.zeros_like(p) for n, p in named.items() if is_matrix[n]}
+    drift = {n: STEPS * muon_step_drift(MUON_LR, p.shape) if is_matrix[n] else torch.zeros_like(p)
+             for n, p in named.items()}
     data = make_data(WORLD)
     for step in range(STEPS):
         ids = data[step].reshape(WORLD * MICRO, SEQ)
         model(input_ids=ids, labels=ids).loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        delta = gradient_noise(p.grad for p in named.values())
         with torch.no_grad():
             for n, m in momentum.items():
                 p = named[n]
@@ -114,8 +121,12 @@ def reference_run() -> dict[str, torch.Tensor]:
                 update = _orthogonalized((1 - MOMENTUM) * p.grad + MOMENTUM * m)
                 p.mul_(1 - MUON_LR * WD).sub_(MUON_LR * update)
         adam.step()
+        for n, p in named.items():
+            if not is_matrix[n]:
+                state = adam.state[p]
+                drift[n] += adam_step_drift(state["exp_avg_sq"], int(state["step"]), ADAM_LR, BETAS, EPS, delta)
         model.zero_grad(set_to_none=True)
-    return {k: v.detach().float().clone() for k, v in model.state_dict().items()}
+    return {k: v.detach().float().clone() for k, v in model.state_dict().items()}, drift
 
 
 @pytest.fixture(scope="module")
@@ -129,15 +140,19 @@ def runs(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reference():
-    return {"initial": {k: v.detach().clone() for k, v in tiny_llama().state_dict().items()}, "final": reference_run()}
+    final, drift = reference_run()
+    return {"initial": {k: v.detach().clone() for k, v in tiny_llama().state_dict().items()}, "final": final,
+            "drift": drift}
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_weights_match_the_full_matrix_reference(case, runs, reference):
+    """Entry by entry within what reduction order explains (``_drift_bound.py``): a Muon that
+    orthogonalized shards, or an Adam entry stepped wrongly, is off by about an ``lr``."""
     got, ref, initial = runs[case]["final_state"], reference["final"], reference["initial"]
     assert set(got) == set(ref)
     for name, tensor in ref.items():
-        torch.testing.assert_close(got[name], tensor, rtol=0, atol=1e-5, msg=name)
+        assert_within(got[name], tensor, reference["drift"][name], name, STEPS)
         assert not torch.equal(tensor, initial[name]), name  # every weight moved (the reference can fail)
 
 
@@ -176,5 +191,6 @@ def test_hand_built_dtensors_match_the_formula(runs):
     init, grads = direct_data()
     for name, got in runs["direct"].items():
         ref = _muon_reference(init[name], [g[name] for g in grads])
-        torch.testing.assert_close(got, ref, rtol=0, atol=1e-5, msg=name)
+        # Same inputs on every rank and in the reference: only the fp32 iteration's rounding differs.
+        assert_within(got, ref, STEPS * muon_step_drift(MUON_LR, ref.shape), name, STEPS)
         assert (ref - init[name]).abs().max() > 1e-3
