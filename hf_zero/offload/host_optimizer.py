@@ -71,6 +71,7 @@ from hf_zero.offload.owner_broadcast import _OwnerBroadcast
 from hf_zero.offload.grad_accumulation import StagedAccumulation
 from hf_zero.offload.grad_norm import sharded_total_norm
 from hf_zero.offload.pinned import HostArena, planned_pinned_bytes, pinning_fits
+from hf_zero.offload.step_threads import step_threads_for_this_rank
 
 __all__ = ["OffloadedOptimizer"]
 
@@ -158,6 +159,9 @@ class OffloadedOptimizer(_NvmeChunks, _OptimizerCheckpoint, _OwnerBroadcast, tor
         self._arenas: list[HostArena] = []  # gradient and master buffers (pinned when configured)
         self.pinned = False
         self._staged: StagedAccumulation | None = None  # micro-steps after the first (set up in _setup)
+        self._threads = step_threads_for_this_rank()  # torchrun's 1 thread per rank: the step takes its share
+        if rank == 0:
+            self._threads.announce()
 
         error: BaseException | None = None
         try:
@@ -432,10 +436,11 @@ class OffloadedOptimizer(_NvmeChunks, _OptimizerCheckpoint, _OwnerBroadcast, tor
             self._sync_hyper()
             if self._device_opt is not None:
                 self._device_opt.step()
-            if self._nvme:
-                self._step_nvme()
-            else:
-                self._step_cpu()
+            with self._threads.applied():
+                if self._nvme:
+                    self._step_nvme()
+                else:
+                    self._step_cpu()
             self.host_steps += 1
             for action in self.post_step_actions:
                 action()

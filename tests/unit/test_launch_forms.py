@@ -483,6 +483,16 @@ out = sys.argv[sys.argv.index("--out") + 1]
 transformers = sys.modules.get("transformers")  # imported by hf_zero's bootstrap only
 record = {"argv": sys.argv[1:], "env": {k: os.environ.get(k) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE")},
           "trainer_module": transformers.Trainer.__module__ if transformers else None}
+# whether this rank's OMP_NUM_THREADS=1 is taken for the launcher's default (as if it had 8 cores);
+# the module alone (stdlib only), so that the plain run imports neither hf_zero nor torch
+import importlib.util
+path = os.path.join(importlib.util.find_spec("hf_zero").submodule_search_locations[0], "offload", "step_threads.py")
+spec = importlib.util.spec_from_file_location("step_threads", path)
+threads = sys.modules["step_threads"] = importlib.util.module_from_spec(spec)  # (dataclasses look it up)
+spec.loader.exec_module(threads)
+record["step_threads"] = threads.plan_step_threads(
+    current=1, cores=8, local_world=int(os.environ["LOCAL_WORLD_SIZE"]), env=os.environ,
+    launcher_env=threads.launcher_environ()).threads
 with open(os.path.join(out, "rank%s.json" % os.environ["RANK"]), "w") as f:
     json.dump(record, f)
 """
@@ -492,8 +502,9 @@ def _launch_and_read(prefix: list[str], script: Path, out: Path, *extra: str) ->
     import json
 
     out.mkdir()
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
     env.pop(PASS_LOCAL_RANK_ENV, None)
+    env.pop("OMP_NUM_THREADS", None)  # each launcher sets it for its 2 ranks (1 on this test's 2 cores)
     proc = subprocess.run([*prefix, str(script), "--out", str(out), "--flag", *extra], cwd=script.parent, env=env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, f"{prefix} exited {proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
@@ -531,4 +542,8 @@ def test_torchrun_and_deepspeed_lines_start_two_ranks_like_their_launchers(tmp_p
         assert _argv(deepspeed_form[rank], tmp_path / "deepspeed_form") == [f"--local_rank={rank}", "--out", "OUT",
                                                                             "--flag", *lookalikes]
         assert deepspeed_form[rank]["env"] == plain[rank]["env"]
+        # torchrun's own OMP_NUM_THREADS=1 is told from a chosen one (read from the launcher's environment):
+        # the offloaded step would take 8 cores / 2 ranks under plain torchrun, and keep hf-zero run's count
+        assert plain[rank]["step_threads"] == 4
+        assert torchrun_form[rank]["step_threads"] is None and deepspeed_form[rank]["step_threads"] is None
         assert deepspeed_form[rank]["trainer_module"].startswith("hf_zero.")

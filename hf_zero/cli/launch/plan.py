@@ -17,6 +17,7 @@ from hf_zero.cli.launch.torchrun_form import (
     torchrun_request,
 )
 from hf_zero.integration.bootstrap import PASS_LOCAL_RANK_ENV
+from hf_zero.offload.step_threads import CHOSEN_ENV as STEP_THREADS_CHOSEN_ENV
 
 __all__ = ["BOOTSTRAP_MODULE", "LaunchPlan", "P2P_FIXED_DRIVER", "nccl_env_for_gpus", "p2p_usable", "plan_launch", "plan_launch_line",
            "plan_request", "torchrun_namespace"]
@@ -166,6 +167,11 @@ def plan_request(request: LaunchRequest, *, gpu_names: Sequence[str] = (), p2p_o
         # Ranks share the node's cores. torchrun would give each GPU rank a single thread, and the
         # offloaded optimizer step (a CPU AdamW over the rank's whole shard) would run on one core.
         extra["OMP_NUM_THREADS"] = str(max(1, _cores() // nproc))
+    if "OMP_NUM_THREADS" in extra:
+        # Chosen here or on the line: the ranks must not take a 1 for torchrun's default and raise it
+        # for the offloaded step (offload/step_threads.py); a value from the user's environment is
+        # seen as theirs by the ranks without this mark.
+        extra[STEP_THREADS_CHOSEN_ENV] = "1"
     return LaunchPlan(torchrun_args=args, env=extra, notes=[*request.notes, *notes], rank_args_at=rank_args_at)
 
 
