@@ -253,6 +253,38 @@ def memory_cap_fraction(cap_bytes: int, total_bytes: int) -> float:
     return cap_bytes / total_bytes
 
 
+def is_out_of_memory(text: str) -> bool:
+    """Whether a run's error text is an accelerator out-of-memory error (torch's or DeepSpeed's wording)."""
+    return any(key in str(text) for key in ("OutOfMemoryError", "CUDA out of memory", "out of memory"))
+
+
+def cap_verdict(result: dict[str, Any], cap_bytes: int | None) -> str | None:
+    """Whether a configuration fits the emulated card of ``cap_bytes``, from what its run showed.
+
+    A run under the cap answers by finishing (``yes``) or by running out of memory (``no``); a run
+    exempted from the cap (``gpu_memory_cap_bytes`` None in the result) answers by its peak
+    allocated memory against the cap. None when there is no cap or the run says nothing (it failed
+    for another reason, or was not run).
+
+    >>> cap_verdict({"status": "ok", "gpu_memory_cap_bytes": None, "peak_accel_bytes": 30 * GiB}, 24 * GiB)
+    'no: peak 30.00 GiB without the cap'
+    """
+    if not cap_bytes:
+        return None
+    capped = result.get("gpu_memory_cap_bytes") is not None
+    status = result.get("status")
+    if status == "ok":
+        if capped:
+            return "yes: ran under the cap"
+        peak = result.get("peak_accel_bytes")
+        if peak is None:
+            return None
+        return f"{'yes' if peak <= cap_bytes else 'no'}: peak {peak / GiB:.2f} GiB without the cap"
+    if status == "failed" and capped and is_out_of_memory(result.get("error", "")):
+        return "no: out of memory under the cap"
+    return None
+
+
 # --------------------------------------------------------------------------------------- measurements
 def step_stats(step_times: Sequence[float], warmup: int) -> dict[str, float | int]:
     """Median/min/max/mean of the step times after dropping the first ``warmup`` steps.

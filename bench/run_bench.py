@@ -46,6 +46,12 @@ REPO = HERE.parent
 sys.path.insert(0, str(HERE))
 
 import _bench_lib as lib  # noqa: E402
+from _bench_report import render_markdown, save_plot  # noqa: E402
+
+# The driver builds the ZeRO JSON with hf_zero's own "auto" rules: make the working tree importable
+# without an install (the GPU session runs from a bare checkout: nothing can be pip-installed there).
+if str(REPO) not in sys.path:
+    sys.path.insert(1, str(REPO))
 
 WORKER = HERE / "_bench_worker.py"
 
@@ -90,6 +96,11 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--sub_group_size", type=int, default=None, help="zero_optimization.sub_group_size for every ZeRO config")
     c.add_argument("--gpu_memory_cap", default=None, help="emulate cards of this size, e.g. 24GB (CUDA only)")
     c.add_argument(
+        "--uncapped", default="",
+        help="comma-separated configurations that run without --gpu_memory_cap (their peak is then compared with "
+        "the cap: 'fits' in the JSON); for rows that cannot fit, so that their speed is still measured",
+    )
+    c.add_argument(
         "--malloc_mmap_threshold", type=int, default=None,
         help="set glibc's MALLOC_MMAP_THRESHOLD_ (e.g. 65536) in the workers so that freed tensors leave the RSS "
         "(peak RSS then follows live bytes rather than heap fragmentation)",
@@ -99,6 +110,13 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--tag", default=None, help="file name stem (default: <preset>-<device>-<N>rank)")
     o.add_argument("--work_dir", default=None, help="model, logs and scratch (default: a temporary folder, kept)")
     o.add_argument("--timeout", type=float, default=1200, help="seconds per configuration")
+    o.add_argument(
+        "--deadline", type=float, default=None,
+        help="wall-clock time (seconds since the epoch) by which every configuration must have ended: each run's "
+        "timeout is cut to what is left, and a configuration with less than --min_run_s left is skipped "
+        "(reported as such); the results are written after every configuration either way",
+    )
+    o.add_argument("--min_run_s", type=float, default=30.0, help="with --deadline: the least time worth starting a run in")
     o.add_argument(
         "--repeat", type=int, default=1,
         help="rounds over all configurations (round-robin); each row reports its fastest round, "
@@ -126,8 +144,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             p.error(str(exc))
     try:
         lib.build_config_matrix(args.configs, deepspeed_available=True)
+        args.uncapped_names = {c.name for c in lib.build_config_matrix(args.uncapped, deepspeed_available=True)[0]} if args.uncapped.strip() else set()
     except ValueError as exc:
         p.error(str(exc))
+    if args.uncapped_names and not args.cap_bytes:
+        p.error("--uncapped needs --gpu_memory_cap")
     return args
 
 
@@ -238,7 +259,11 @@ def qwen2_config(shape: dict[str, Any]):
 
 
 def prepare_model(shape: dict[str, Any], work_dir: Path, seed: int = 0) -> Path:
-    """A random Qwen2 model of ``shape`` saved (bf16 safetensors) under ``work_dir``; reused if there."""
+    """A random Qwen2 model of ``shape`` saved (bf16 safetensors) under ``work_dir``; reused if there.
+
+    Built on the GPU when there is one: the random initialisation of a 7B model takes minutes on
+    CPU cores and seconds on a GPU, and a lent GPU's minutes are the scarce resource.
+    """
     key = hashlib.sha1(json.dumps([shape, seed], sort_keys=True).encode()).hexdigest()[:10]
     path = work_dir / f"model-{key}"
     if (path / "config.json").exists() and any(path.glob("*.safetensors")):
@@ -247,11 +272,15 @@ def prepare_model(shape: dict[str, Any], work_dir: Path, seed: int = 0) -> Path:
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(qwen2_config(shape), dtype=torch.bfloat16)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(qwen2_config(shape), dtype=torch.bfloat16)
     tmp = work_dir / f".model-{key}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp)
     del model
+    if device == "cuda":
+        torch.cuda.empty_cache()  # the workers, not this driver, should hold the card
     tmp.rename(path)
     return path
 
@@ -280,7 +309,7 @@ def worker_spec(config: lib.BenchConfig, args: argparse.Namespace, model_dir: Pa
         "dtype": args.dtype,
         "lora_rank": args.lora_rank,
         "gradient_checkpointing": args.gradient_checkpointing,
-        "gpu_memory_cap_bytes": args.cap_bytes,
+        "gpu_memory_cap_bytes": None if config.name in getattr(args, "uncapped_names", ()) else args.cap_bytes,
         "layer_cls": ["Qwen2DecoderLayer"],
     }
     if config.stage is not None:
@@ -293,8 +322,9 @@ def worker_spec(config: lib.BenchConfig, args: argparse.Namespace, model_dir: Pa
 
 
 def run_config(config: lib.BenchConfig, args: argparse.Namespace, python: str, model_dir: Path, work_dir: Path,
-               round_index: int = 0) -> dict[str, Any]:
+               round_index: int = 0, timeout: float | None = None) -> dict[str, Any]:
     """Run one configuration under torchrun; return its aggregated result (status ok/failed/timeout)."""
+    timeout = args.timeout if timeout is None else timeout
     result_dir = work_dir / "runs" / (config.name if args.repeat == 1 else f"{config.name}.round{round_index}")
     shutil.rmtree(result_dir, ignore_errors=True)
     result_dir.mkdir(parents=True)
@@ -317,11 +347,11 @@ def run_config(config: lib.BenchConfig, args: argparse.Namespace, python: str, m
         log.write(" ".join(cmd) + "\n")
         log.flush()
         try:
-            proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO, timeout=args.timeout)
+            proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO, timeout=timeout)
             if proc.returncode != 0:
                 status = "failed"
         except subprocess.TimeoutExpired:
-            status, error = "timeout", f"timed out after {args.timeout:.0f} s"
+            status, error = "timeout", f"timed out after {timeout:.0f} s"
     wall = time.perf_counter() - t0
     records = [json.loads(p.read_text()) for p in sorted(result_dir.glob("rank*.json"))]
     exit_note = None
@@ -333,7 +363,8 @@ def run_config(config: lib.BenchConfig, args: argparse.Namespace, python: str, m
         rank_errors = [r.get("error", "") for r in records if r.get("status") == "failed"]
         error = rank_errors[0] if rank_errors else log_path.read_text()[-4000:]
     result = aggregate(config, records, args, status=status, error=error)
-    result.update(wall_s=wall, log=str(log_path), command=" ".join(cmd), python=python)
+    result.update(wall_s=wall, log=str(log_path), command=" ".join(cmd), python=python,
+                  gpu_memory_cap_bytes=spec["gpu_memory_cap_bytes"])
     if exit_note:
         result["exit_note"] = exit_note
     return result
@@ -421,125 +452,6 @@ def add_estimates(results: list[dict[str, Any]], model_dir: Path, args: argparse
         r["estimate_bytes"] = row["gpu_bytes"] if cuda else args.nproc_per_node * row["gpu_bytes"] + row["cpu_bytes"]
 
 
-# ------------------------------------------------------------------------------------------- output
-def render_markdown(payload: dict[str, Any]) -> str:
-    s = payload["settings"]
-    m = payload["machine"]
-    shape = s["shape"]
-    lines = [
-        f"Model: Qwen2-shaped, random weights, {s['params'] / 1e6:.1f}M parameters (hidden {shape['hidden']}, "
-        f"{shape['layers']} layers, {shape['heads']} heads / {shape['kv_heads']} kv, MLP {shape['intermediate']}, "
-        f"vocab {shape['vocab']}, {'tied' if shape.get('tie', True) else 'untied'} head)"
-        + (f", LoRA rank {s['lora_rank']}" if s.get("lora_rank") else "") + ".",
-        f"Workload: {s['nproc_per_node']} ranks x micro batch {s['micro_batch']} x seq {s['seq_len']} x accumulation "
-        f"{s['grad_accum']} = {s['tokens_per_step']} tokens per optimizer step; {s['steps']} steps, first "
-        f"{s['warmup_steps']} not timed; {s['dtype']}"
-        + (f"; {payload['repeat']} rounds, each row from its fastest round" if payload.get("repeat", 1) > 1 else "")
-        + (f"; MALLOC_MMAP_THRESHOLD_={payload['malloc_mmap_threshold']}" if payload.get("malloc_mmap_threshold") else "") + (", gradient checkpointing" if s.get("gradient_checkpointing") else "")
-        + (f"; GPU memory capped at {lib.fmt_bytes(s['gpu_memory_cap_bytes'])} per rank" if s.get("gpu_memory_cap_bytes") else "") + ".",
-        f"Machine: {m.get('cpu', '?')}, {m.get('cpu_count')} CPUs, {lib.fmt_bytes(m.get('ram_bytes'))} RAM"
-        + (", " + ", ".join(g["name"] for g in m.get("gpus", [])) if m.get("gpus") else ", no GPU")
-        + f"; torch {m.get('torch')}, transformers {m.get('transformers')}, accelerate {m.get('accelerate')}"
-        + (f", DeepSpeed {payload['deepspeed_version']}" if payload.get("deepspeed_version") else "")
-        + f"; hf_zero {m.get('hf_zero_commit')}"
-        + (f"; load average {m['loadavg_start'][0]:.1f} at start, {m['loadavg_end'][0]:.1f} at end" if m.get("loadavg_end") else "")
-        + ".",
-        "",
-        lib.results_table(payload["results"]),
-        "",
-        "Ratios (speed = tokens/s over the alternative's, > 1 is faster; mem = "
-        + ("peak accelerator memory" if m.get("cuda") else "peak host RSS above the import baseline")
-        + " over the alternative's, < 1 is less):",
-        "",
-        lib.ratio_table(payload["results"]),
-    ]
-    est = [r for r in payload["results"] if r.get("estimate_bytes") is not None and r.get("status") == "ok"]
-    if est:
-        measured_key = "peak_accel_bytes" if m.get("cuda") else "rss_over_baseline_bytes"
-        lines += [
-            "",
-            "hf-zero estimate vs measured (" + ("per GPU, max_memory_allocated" if m.get("cuda") else "node, all tiers, vs RSS above baseline") + "):",
-            "",
-            lib.markdown_table(
-                ["configuration", "estimate", "measured", "estimate / measured"],
-                [[r["label"], lib.fmt_bytes(r["estimate_bytes"]), lib.fmt_bytes(r[measured_key]),
-                  lib.fmt_ratio(lib.ratio(r["estimate_bytes"], r[measured_key]))] for r in est],
-            ),
-        ]
-        if not m.get("cuda"):
-            lines += [
-                "",
-                "On a CPU the measured figure also holds what training loads lazily (gloo, FSDP2, oneDNN: "
-                "~100 MiB per rank) and the allocator's slack, which dominate for a small model; "
-                "integration_tests/test_estimator_vs_measured.py measures without them (docs/benchmarks.md).",
-            ]
-    for r in payload["results"]:
-        for key in ("warning", "exit_note"):
-            if r.get(key):
-                lines += ["", f"Note ({r['label']}): {r[key]}"]
-    if payload.get("notes"):
-        lines += ["", *[f"Note: {n}" for n in payload["notes"]]]
-    return "\n".join(lines) + "\n"
-
-
-_COLORS = {"ddp": "#7f7f7f", "fsdp2": "#1f77b4", "deepspeed": "#d62728", "hf_zero": "#2ca02c"}
-
-
-def save_plot(payload: dict[str, Any], path: Path) -> Path | None:
-    """Two bar charts: tokens/s, and memory (accelerator peak, or host RSS with its baseline part)."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not installed (pip install -e '.[bench]'): no plot", file=sys.stderr)
-        return None
-    results = [r for r in payload["results"] if r.get("status") == "ok"]
-    if not results:
-        return None
-    cuda = bool(payload["machine"].get("cuda"))
-    labels = [r["label"] for r in results]
-    colors = [_COLORS.get(r["kind"], "#999999") for r in results]
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 0.45 * len(results) + 1.8), sharey=True)
-    y = list(range(len(results)))
-    ax1.barh(y, [r["tokens_per_s"] for r in results], color=colors)
-    for yi, r in zip(y, results):
-        ax1.text(r["tokens_per_s"], yi, f" {r['tokens_per_s']:.0f}", va="center", fontsize=8)
-    ax1.set_yticks(y, labels, fontsize=8)
-    ax1.invert_yaxis()
-    ax1.set_xlabel("tokens/s (higher is better)")
-    if cuda:
-        vals = [(r["peak_accel_bytes"] or 0) / lib.GiB for r in results]
-        ax2.barh(y, vals, color=colors)
-        ax2.set_xlabel("peak accelerator memory, busiest rank (GiB)")
-        if payload["settings"].get("gpu_memory_cap_bytes"):
-            ax2.axvline(payload["settings"]["gpu_memory_cap_bytes"] / lib.GiB, color="k", ls="--", lw=1)
-    else:
-        over = [r["rss_over_baseline_bytes"] / lib.MiB for r in results]
-        basev = [r["baseline_rss_node_bytes"] / lib.MiB for r in results]
-        ax2.barh(y, basev, color="#dddddd", label="import baseline")
-        ax2.barh(y, over, left=basev, color=colors, label="training")
-        vals = [b + o for b, o in zip(basev, over)]
-        ax2.set_xlabel("peak host RSS of the node (MiB; grey: RSS after imports)")
-        ax2.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.09), ncol=2, frameon=False)
-    ax1.set_xlim(0, 1.18 * max(r["tokens_per_s"] for r in results))
-    ax2.set_xlim(0, 1.18 * max(max(vals), 1e-9))
-    for yi, v in zip(y, vals):
-        ax2.text(v, yi, f" {v:.2f}" if cuda else f" {v:.0f}", va="center", fontsize=8)
-    s = payload["settings"]
-    fig.suptitle(
-        f"{s['params'] / 1e6:.1f}M-param Qwen2-shaped model, {s['nproc_per_node']} ranks, seq {s['seq_len']}, "
-        f"micro batch {s['micro_batch']}, {s['dtype']}" + (f", LoRA r={s['lora_rank']}" if s.get("lora_rank") else "")
-        + (" (" + payload["machine"]["gpus"][0]["name"] + ")" if cuda and payload["machine"].get("gpus") else " (CPU, gloo)"),
-        fontsize=10,
-    )
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
-
-
 # ------------------------------------------------------------------------------------------- main
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
@@ -577,46 +489,62 @@ def main(argv: list[str] | None = None) -> int:
 
     from tqdm.auto import tqdm
 
+    command = "python bench/run_bench.py " + " ".join(argv if argv is not None else sys.argv[1:])
     rounds: dict[str, list[dict[str, Any]]] = {c.name: [] for c in configs}
     jobs = [(i, c) for i in range(args.repeat) for c in configs]
+
+    def payload() -> dict[str, Any]:
+        # Rows that have not run yet are left out: the file written after each run is complete as far as it goes.
+        results = [lib.pick_round(rounds[c.name]) for c in configs if rounds[c.name]]
+        for r in results:
+            r["fits_cap"] = lib.cap_verdict(r, args.cap_bytes if machine.get("cuda") else None)
+        return {
+            "command": command,
+            "settings": settings.as_dict(),
+            "machine": machine,
+            "deepspeed_version": ds_info if ds_python else None,
+            "configs": [c.name for c in configs],
+            "uncapped": sorted(args.uncapped_names),
+            "repeat": args.repeat,
+            "malloc_mmap_threshold": args.malloc_mmap_threshold,
+            "rounds": {name: [r.get("tokens_per_s") for r in rs] for name, rs in rounds.items()},
+            "notes": notes,
+            "results": results,
+            "ratios": lib.compute_ratios(results),
+            "work_dir": str(work_dir),
+        }
+
     bar = tqdm(jobs, desc="bench", unit="run", file=sys.stderr, dynamic_ncols=True)
     for round_index, config in bar:
         bar.set_postfix_str(config.label() + (f" (round {round_index + 1}/{args.repeat})" if args.repeat > 1 else ""))
         python = ds_python if config.kind == "deepspeed" else sys.executable
-        result = run_config(config, args, python, model_dir, work_dir, round_index)
+        timeout = args.timeout
+        left = None if args.deadline is None else args.deadline - time.time()
+        if left is not None and left < args.min_run_s:
+            result = aggregate(config, [], args, status="skipped", error=f"not started: {max(left, 0):.0f} s left before the deadline")
+            result["wall_s"] = 0.0
+        else:
+            if left is not None:
+                timeout = min(timeout, left)
+            result = run_config(config, args, python, model_dir, work_dir, round_index, timeout=timeout)
         rounds[config.name].append(result)
         state = f"{result['tokens_per_s']:.0f} tok/s" if result["status"] == "ok" else f"{result['status']}: {lib.short_error(result.get('error', ''), 80)}"
         bar.write(f"[bench] {config.label()}: {state} ({result['wall_s']:.0f} s)", file=sys.stderr)
+        (out / f"{tag}.json").write_text(json.dumps(payload(), indent=1))
     bar.close()
-    results = [lib.pick_round(rounds[c.name]) for c in configs]
     machine["loadavg_end"] = os.getloadavg()
-    add_estimates(results, model_dir, args, bool(machine.get("cuda")))
-
-    command = "python bench/run_bench.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    payload = {
-        "command": command,
-        "settings": settings.as_dict(),
-        "machine": machine,
-        "deepspeed_version": ds_info if ds_python else None,
-        "configs": [c.name for c in configs],
-        "repeat": args.repeat,
-        "malloc_mmap_threshold": args.malloc_mmap_threshold,
-        "rounds": {name: [r.get("tokens_per_s") for r in rs] for name, rs in rounds.items()},
-        "notes": notes,
-        "results": results,
-        "ratios": lib.compute_ratios(results),
-        "work_dir": str(work_dir),
-    }
-    (out / f"{tag}.json").write_text(json.dumps(payload, indent=1))
-    md = render_markdown(payload)
+    final = payload()
+    add_estimates(final["results"], model_dir, args, bool(machine.get("cuda")))
+    (out / f"{tag}.json").write_text(json.dumps(final, indent=1))
+    md = render_markdown(final)
     (out / f"{tag}.md").write_text(f"`{command}`\n\n" + md)
     print(md)
     if not args.no_plot:
-        png = save_plot(payload, out / f"{tag}.png")
+        png = save_plot(final, out / f"{tag}.png")
         if png:
             print(f"[bench] plot: {png}", file=sys.stderr)
     print(f"[bench] results: {out / (tag + '.json')}, {out / (tag + '.md')}; logs under {work_dir / 'runs'}", file=sys.stderr)
-    return 0 if all(r["status"] == "ok" for r in results) else 1
+    return 0 if all(r["status"] == "ok" for r in final["results"]) else 1
 
 
 if __name__ == "__main__":
