@@ -117,6 +117,7 @@ def parse_torchrun_args(argv: list[str]) -> argparse.Namespace:
         raise LaunchLineError(f"{message} (checked by torch's launcher parser; see hf-zero run --help)")
 
     parser.error = refuse  # argparse would print and exit; the caller reports it instead
+    parser.allow_abbrev = False  # hf-zero run hands over whole option names only
     return parser.parse_args(argv)
 
 
