@@ -13,6 +13,7 @@ import torch
 from torch.func import functional_call
 
 from _cases import LR, Case
+from _drift_bound import adam_step_drift, gradient_noise
 from _models import make_data, tiny_model
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -31,6 +32,7 @@ def reference_run(case: Case, world: int = 2) -> dict:
     scale = 2.0**8 if case.dtype == "fp16" else 1.0
     data = make_data(case.steps, case.gas, world, case.micro, case.seq)
     losses, lrs, norms = [], [], []
+    drift = {n: torch.zeros_like(p) for n, p in params.items()}  # what reduction order may move (fp32)
     for step in range(case.steps):
         total = 0.0
         for k in range(case.gas):
@@ -51,7 +53,11 @@ def reference_run(case: Case, world: int = 2) -> dict:
                     p.grad.mul_(1.0 / scale)
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), case.clip if case.clip > 0 else float("inf"))
         norms.append(float(norm))
+        lr, delta = opt.param_groups[0]["lr"], gradient_noise(p.grad for p in params.values())
         opt.step()
+        for n, p in params.items():
+            state = opt.state[p]
+            drift[n] += adam_step_drift(state["exp_avg_sq"], int(state["step"]), lr, (0.9, 0.999), 1e-8, delta)
         if sched is not None:
             sched.step()
         opt.zero_grad(set_to_none=True)
@@ -62,4 +68,7 @@ def reference_run(case: Case, world: int = 2) -> dict:
         v.numel() * v.element_size() for s in opt.state.values() for v in s.values() if torch.is_tensor(v) and v.dim() > 0
     )
     initial = {k: v.detach().float().clone() for k, v in tiny_model(case.model).state_dict().items()}
-    return {"losses": losses, "lrs": lrs, "grad_norms": norms, "final_state": state, "initial_state": initial, "optimizer_state_bytes": opt_bytes}
+    by_id = {id(p): n for n, p in params.items()}  # a tied weight has two keys and one parameter
+    drift = {k: drift[by_id[id(v)]] for k, v in model.state_dict(keep_vars=True).items() if id(v) in by_id}
+    return {"losses": losses, "lrs": lrs, "grad_norms": norms, "final_state": state, "initial_state": initial,
+            "optimizer_state_bytes": opt_bytes, "drift": drift}

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from _cases import Case, parity_cases
+from _drift_bound import assert_within
 from _launch import torchrun
 from _reference import reference_run
 
@@ -52,9 +53,9 @@ def test_matches_single_process_reference(case: Case, engine_runs):
     torch.testing.assert_close(got["lrs"], ref["lrs"], rtol=1e-12, atol=0)
     assert set(got["final_state"]) == set(ref["final_state"])
     assert _update_deviation(got["final_state"], ref) < weight_tol
-    if case.dtype == "fp32":
+    if case.dtype == "fp32":  # entry by entry, within what reduction order explains (_drift_bound.py)
         for name, tensor in ref["final_state"].items():
-            torch.testing.assert_close(got["final_state"][name], tensor, rtol=1e-4, atol=2e-5, msg=name)
+            assert_within(got["final_state"][name], tensor, ref["drift"].get(name, 0.0), name, case.steps)
     # The weights really moved (a run that never stepped would not reach the reference either).
     assert all(r["sharding"]["global_steps"] == case.steps for r in got["ranks"])
     assert all(r["sharding"]["skipped_steps"] == 0 for r in got["ranks"])
