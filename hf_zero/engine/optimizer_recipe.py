@@ -130,11 +130,15 @@ class OptimizerRecipe:
         """This recipe's groups over ``model``'s current parameters (trainable ones only)."""
         from hf_zero.engine.scalar_params import lifted_keys
 
-        by_name = dict(model.named_parameters(remove_duplicate=True))
-        for stored, original in lifted_keys(model).items():  # groups recorded before 0-dim params were lifted
-            by_name.setdefault(original, by_name[stored])
+        params = dict(model.named_parameters(remove_duplicate=True))
+        # Groups recorded before 0-dim params were lifted name them by their original names. Those
+        # aliases only resolve names: the default group takes each parameter once (listed twice, the
+        # optimizer would apply a lifted scalar's update twice per step).
+        by_name = dict(params)
+        for stored, original in lifted_keys(model).items():
+            by_name.setdefault(original, params[stored])
         if not self.groups:
-            groups = [{"params": [p for p in by_name.values() if p.requires_grad]}]
+            groups = [{"params": [p for p in params.values() if p.requires_grad]}]
         else:
             groups = [
                 {"params": [by_name[n] for n in names if by_name[n].requires_grad], **hyper}

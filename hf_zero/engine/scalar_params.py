@@ -6,6 +6,12 @@ behind a ``torch.nn.utils.parametrize`` parametrization that gives the module it
 the model's code still reads ``self.logit_scale`` as a scalar, gradients flow to the stored
 element, and FSDP2 shards the 1-element tensor like any other.
 
+Read outside the forward (``trainer.model.logit_scale.item()`` after ``train()``), the stored
+element is a DTensor shard that only rank 0 holds; the parametrization then gathers it (a
+1-element all-gather: every rank must read it, as with ``full_tensor()``) and gives every rank the
+plain 0-dim value, which ``.item()``, ``.tolist()`` and ``float()`` read. Inside the forward FSDP2
+has already gathered it, and nothing is communicated.
+
 The parametrization renames the state-dict key (``logit_scale`` becomes
 ``parametrizations.logit_scale.original``, shape ``(1,)``); :func:`restore_scalar_keys` maps a
 gathered state dict back to the original names and shapes, so saved weights load into the
@@ -24,6 +30,13 @@ class _AsScalar(nn.Module):
     """Stored as shape ``(1,)``, seen as ``()``."""
 
     def forward(self, stored: torch.Tensor) -> torch.Tensor:
+        from torch.distributed.tensor import DTensor
+
+        if isinstance(stored, DTensor):  # outside the forward: the shard; gather it (differentiably)
+            from hf_zero.distributed.collectives import on_mesh_device
+
+            # on the mesh's device: an offload_param host shard cannot enter an NCCL collective
+            stored = on_mesh_device(stored).full_tensor().to(stored.device)
         return stored.reshape(())
 
     def right_inverse(self, value: torch.Tensor) -> torch.Tensor:

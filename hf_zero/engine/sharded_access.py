@@ -66,12 +66,15 @@ def guard_direct_calls(model: nn.Module, stage: int) -> None:
 
     A forward pre-hook on each module that owns parameters itself; it only looks at whether they
     are DTensors (inside the model's forward FSDP2 has swapped in full tensors, so it passes).
+    A parametrization's list is left alone: calling it is reading the parameter
+    (``model.logit_scale``), which works on shards (engine/scalar_params.py gathers a lifted scalar).
     """
     from torch.distributed.tensor import DTensor
+    from torch.nn.utils.parametrize import ParametrizationList
 
     for name, module in model.named_modules():
         own = list(module.parameters(recurse=False))
-        if not own:
+        if not own or isinstance(module, ParametrizationList):
             continue
 
         def check(mod: nn.Module, args: Any, _name: str = name or "the model") -> None:

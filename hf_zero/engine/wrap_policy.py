@@ -81,8 +81,11 @@ def find_wrap_units(model: nn.Module) -> list[nn.Module]:
     if names:
         units = [m for m in model.modules() if type(m).__name__ in names and m is not model]
     if not units:
+        from torch.nn.utils.parametrize import ParametrizationList
+
         for module in model.modules():
-            if isinstance(module, nn.ModuleList):
+            # a parametrization's list (a lifted 0-dim parameter) holds functions, not blocks
+            if isinstance(module, nn.ModuleList) and not isinstance(module, ParametrizationList):
                 units.extend(module)
     # Nested units must be sharded before the units that contain them.
     seen: set[int] = set()
