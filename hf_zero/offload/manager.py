@@ -33,6 +33,7 @@ from torch import nn
 from hf_zero.config.schema import ZeroConfig
 from hf_zero.distributed import device as accel
 from hf_zero.distributed.collectives import collective_device
+from hf_zero.distributed.fsdp_internals import HostGradCopies
 from hf_zero.offload.base import OffloadBackend, OffloadError, agree_on_error
 from hf_zero.offload.cpu_optimizer import (
     HostOffloadConfig,
@@ -111,6 +112,7 @@ class _FsdpGradFeed:
         self._checks_left = len(params)  # each parameter's first gradient
         self._layout_bad: torch.Tensor | None = None  # a device flag: no sync per gradient
         self._modules = fsdp_modules
+        self._host_copies = HostGradCopies(fsdp_modules)  # FSDP2's own copies to host (offload_param: cpu)
         for module in fsdp_modules:
             module.set_all_reduce_hook(self._on_reduced)
         self._handles = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
@@ -123,6 +125,7 @@ class _FsdpGradFeed:
         grad = param.grad
         local = grad.to_local() if hasattr(grad, "to_local") else grad
         if local.dtype == torch.float32:
+            self._host_copies.wait(param, local)  # FSDP2's copy to host: in flight on torch 2.9-2.11 (N3)
             exact = local
         else:
             flat = self._flat
@@ -143,6 +146,7 @@ class _FsdpGradFeed:
             if self._checks_left > 0:
                 self._checks_left -= 1
                 # (with FSDP2's CPU offload policy the 16-bit gradient is a host copy)
+                self._host_copies.wait(param, local)
                 bad = (exact.to(device=local.device, dtype=local.dtype) != local).any()
                 self._layout_bad = bad if self._layout_bad is None else self._layout_bad | bad
         self._opt.accumulate_grad(param, exact)
