@@ -412,13 +412,13 @@ def _write_marker(path: str, info: dict[str, Any]) -> None:
 def _marker(
     engine: Any, module: nn.Module, adapter_keys: dict[str, str] | None, *, has_extra: bool, model_only: bool = False
 ) -> dict[str, Any]:
-    import hf_zero
+    from hf_zero.version import __version__
 
     config = engine.config
     return {
         "format": FORMAT_NAME,
         "format_version": FORMAT_VERSION,
-        "hf_zero_version": hf_zero.__version__,
+        "hf_zero_version": __version__,
         "torch_version": torch.__version__,
         "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "world_size": _world(),

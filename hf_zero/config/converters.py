@@ -9,12 +9,9 @@ import copy
 import difflib
 import math
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable, Protocol
 
 from hf_zero.config.schema import AUTO
-
-if TYPE_CHECKING:
-    from hf_zero.config.parse import _Parser
 
 BAD = object()
 """Returned by a converter that recorded a problem; the value is dropped."""
@@ -22,7 +19,14 @@ BAD = object()
 # --------------------------------------------------------------------------------------------------
 # Converters: (parser, dotted key, raw value) -> typed value, or BAD after recording a problem.
 # --------------------------------------------------------------------------------------------------
-Converter = Callable[["_Parser", str, Any], Any]
+class ProblemSink(Protocol):
+    """What a converter reports to: the parser (``parse._Parser``), which collects every problem
+    of a file before raising. A protocol, so that this module does not import the parser."""
+
+    def problem(self, key: str, value: Any, issue: str, fix: str | None = None) -> None: ...
+
+
+Converter = Callable[[ProblemSink, str, Any], Any]
 
 
 def _is_auto(value: Any) -> bool:
@@ -48,7 +52,7 @@ def _number(value: Any) -> int | float | None:
     return None
 
 
-def _auto_refused(p: "_Parser", key: str, value: Any) -> Any:
+def _auto_refused(p: ProblemSink, key: str, value: Any) -> Any:
     p.problem(key, value, "is not allowed here: hf_zero fills \"auto\" only for the keys in the "
               "\"auto\" table of docs/config_reference.md", "write a value")
     return BAD
@@ -57,7 +61,7 @@ def _auto_refused(p: "_Parser", key: str, value: Any) -> Any:
 def _int(
     minimum: int | None = None, maximum: int | None = None, auto: bool = False, hint: str | None = None
 ) -> Converter:
-    def convert(p: "_Parser", key: str, value: Any) -> Any:
+    def convert(p: ProblemSink, key: str, value: Any) -> Any:
         if _is_auto(value):
             return AUTO if auto else _auto_refused(p, key, value)
         n = _number(value)
@@ -88,7 +92,7 @@ def _float(
     exclusive_min: bool = False,
     auto: bool = False,
 ) -> Converter:
-    def convert(p: "_Parser", key: str, value: Any) -> Any:
+    def convert(p: ProblemSink, key: str, value: Any) -> Any:
         if _is_auto(value):
             return AUTO if auto else _auto_refused(p, key, value)
         n = _number(value)
@@ -108,7 +112,7 @@ def _float(
 
 
 def _bool(auto: bool = False) -> Converter:
-    def convert(p: "_Parser", key: str, value: Any) -> Any:
+    def convert(p: ProblemSink, key: str, value: Any) -> Any:
         if isinstance(value, bool):
             return value
         if _is_auto(value):
@@ -123,7 +127,7 @@ def _bool(auto: bool = False) -> Converter:
 def _choice(choices: Mapping[str, str], *, case_sensitive: bool = False) -> Converter:
     """``choices`` maps accepted spellings to the canonical value."""
 
-    def convert(p: "_Parser", key: str, value: Any) -> Any:
+    def convert(p: ProblemSink, key: str, value: Any) -> Any:
         if isinstance(value, str):
             probe = value if case_sensitive else value.lower()
             table = choices if case_sensitive else {k.lower(): v for k, v in choices.items()}
@@ -139,7 +143,7 @@ def _choice(choices: Mapping[str, str], *, case_sensitive: bool = False) -> Conv
 
 
 def _str() -> Converter:
-    def convert(p: "_Parser", key: str, value: Any) -> Any:
+    def convert(p: ProblemSink, key: str, value: Any) -> Any:
         if isinstance(value, str):
             return value
         p.problem(key, value, "is not a string", "write a quoted string")
@@ -149,7 +153,7 @@ def _str() -> Converter:
 
 
 def _path() -> Converter:
-    def convert(p: "_Parser", key: str, value: Any) -> Any:
+    def convert(p: ProblemSink, key: str, value: Any) -> Any:
         if isinstance(value, str) and value.strip():
             return value
         p.problem(key, value, "is not a folder path", 'write a path such as "/local_nvme"')
@@ -159,7 +163,7 @@ def _path() -> Converter:
 
 
 def _betas(auto: bool = True) -> Converter:
-    def convert(p: "_Parser", key: str, value: Any) -> Any:
+    def convert(p: ProblemSink, key: str, value: Any) -> Any:
         if _is_auto(value):
             return AUTO if auto else _auto_refused(p, key, value)
         if isinstance(value, (list, tuple)) and len(value) == 2:
@@ -173,7 +177,7 @@ def _betas(auto: bool = True) -> Converter:
 
 
 def _dict() -> Converter:
-    def convert(p: "_Parser", key: str, value: Any) -> Any:
+    def convert(p: ProblemSink, key: str, value: Any) -> Any:
         if isinstance(value, dict):
             return copy.deepcopy(value)
         p.problem(key, value, "is not an object", "write {...}")

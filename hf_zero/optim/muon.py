@@ -86,6 +86,8 @@ from typing import Any
 
 import torch
 
+from hf_zero.optim.fused_kernels import fused_supported
+
 __all__ = [
     "MuonWithAuxAdam",
     "NS_COEFFICIENTS",
@@ -366,11 +368,9 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
             if not groups:
                 return
             cls = torch.optim.AdamW if self.defaults["adam_w_mode"] else torch.optim.Adam
-            from hf_zero.optim.optimizers import _fused_supported  # the rule build_optimizer uses for AdamW
-
             tensors = [p for g in groups for p in g["params"]]
             # torch's fused kernel runs on CPU and CUDA, FSDP2's DTensor shards included.
-            fast = dict(fused=True) if _fused_supported(tensors) else {}
+            fast = dict(fused=True) if fused_supported(tensors) else {}  # build_optimizer's rule for AdamW
             d = self.defaults
             self._aux = cls(groups, lr=d["adam_lr"], betas=d["betas"], eps=d["eps"], weight_decay=d["weight_decay"],
                             **fast)

@@ -37,6 +37,7 @@ from typing import Any
 import torch
 
 from hf_zero.config.schema import AUTO, OptimizerConfig
+from hf_zero.optim.fused_kernels import fused_supported as _fused_supported
 from hf_zero.optim.lamb import Lamb
 from hf_zero.optim.lion import Lion
 from hf_zero.optim.muon import MuonWithAuxAdam
@@ -85,11 +86,6 @@ def _materialize(params: Iterable[torch.Tensor] | Iterable[dict[str, Any]]) -> t
             tensors.append(item)
             items.append(item)
     return items, tensors
-
-
-def _fused_supported(tensors: list[torch.Tensor]) -> bool:
-    """Whether torch's fused Adam/SGD kernels can take every tensor (floating, on CPU or CUDA)."""
-    return bool(tensors) and all(t.is_floating_point() and t.device.type in ("cpu", "cuda") for t in tensors)
 
 
 def build_optimizer(

@@ -22,7 +22,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from hf_zero.config.errors import ZeroConfigError
-from hf_zero.config.sources.accelerate_yaml import AccelerateSettings, WrapSpec
+from hf_zero.config.sources.accelerate_settings import AccelerateSettings, WrapSpec
 
 __all__ = ["FSDP_STAGES", "NO_EFFECT", "convert", "launch_defaults"]
 
