@@ -1,8 +1,9 @@
 """Memory estimator: bytes per GPU, per node of host RAM and per node of NVMe for ZeRO stages 0-3.
 
-Pure arithmetic on named constants (``memory.py``); a model is read from its config on the meta
-device, never from its weights (``model_spec.py``). With activations off it reproduces the ZeRO
-paper's model-state formulas exactly.
+Pure arithmetic on named constants (``constants.py``: the numbers; ``terms.py``: the formulas;
+``memory.py``: every configuration of ``choices.py`` added up); a model is read from its config on
+the meta device, never from its weights (``model_spec.py``). With activations off it reproduces the
+ZeRO paper's model-state formulas exactly.
 
 Example:
     >>> from hf_zero.estimator import estimate_memory
@@ -13,17 +14,14 @@ Example:
 
 from hf_zero.estimator.calibration import MeasuredMemory, MeasurementComparison, compare_with_measurement
 from hf_zero.estimator.errors import EstimatorError
-from hf_zero.estimator.memory import (
+from hf_zero.estimator.choices import PRECISIONS, SPEED_ORDER, Precision, ZeroChoice, is_valid_choice
+from hf_zero.estimator.constants import (
     ACTIVATION_BYTES_PER_AS2B,
     ACTIVATION_BYTES_PER_SBH,
-    AUTOCAST_COPY_BYTES,
-    AUTOCAST_GRAD_BYTES,
-    FP32_REDUCE_BYTES,
-    REPLICA_GRAD_BYTES,
-    REPLICA_PARAM_BYTES,
-    STAGE2_SHARD_EXTRA_BYTES,
     ADAM_K,
     ADAM_K_FP32,
+    AUTOCAST_COPY_BYTES,
+    AUTOCAST_GRAD_BYTES,
     BYTES_PER_GRAD_16BIT,
     BYTES_PER_GRAD_FP32,
     BYTES_PER_PARAM_16BIT,
@@ -35,25 +33,23 @@ from hf_zero.estimator.memory import (
     DEFAULT_SUB_GROUP_SIZE,
     FP32_ACTIVATION_FACTOR,
     FP32_GRAD_COPY_BYTES,
+    FP32_REDUCE_BYTES,
     LOGITS_BYTES_PER_ELEMENT,
     OFFLOAD_DEVICES,
     OPTIMIZER_NVME_BUFFER_COUNT,
     PARAM_NVME_BUFFER_COUNT,
     PARAM_NVME_BUFFER_SIZE,
-    PRECISIONS,
-    SPEED_ORDER,
+    REPLICA_GRAD_BYTES,
+    REPLICA_PARAM_BYTES,
+    STAGE2_SHARD_EXTRA_BYTES,
     STAGE3_GATHERED_BLOCKS,
+)
+from hf_zero.estimator.memory import Estimate, Row, estimate, estimate_memory
+from hf_zero.estimator.terms import (
     ActivationEstimate,
     Breakdown,
-    Estimate,
-    Precision,
-    Row,
-    ZeroChoice,
     activation_bytes,
-    estimate,
-    estimate_memory,
     implementation_terms,
-    is_valid_choice,
     model_state_bytes,
     working_buffer_bytes,
 )

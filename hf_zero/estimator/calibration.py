@@ -47,7 +47,8 @@ def compare_with_measurement(row: Row, measured: MeasuredMemory) -> MeasurementC
     """How the estimate of ``row`` compares with a run of the same configuration.
 
     Example:
-        >>> from hf_zero.estimator.memory import Breakdown, ZeroChoice
+        >>> from hf_zero.estimator.choices import ZeroChoice
+        >>> from hf_zero.estimator.terms import Breakdown
         >>> row = Row(choice=ZeroChoice(2), speed_rank=2, gpu=Breakdown(params=100), cpu=Breakdown(),
         ...     nvme=Breakdown(), fits=True)
         >>> compare_with_measurement(row, MeasuredMemory(gpu_bytes=80)).gpu_ratio

@@ -6,7 +6,9 @@ import json
 from typing import Any
 
 from hf_zero.config.auto import trainer_auto_config
-from hf_zero.estimator.memory import DEFAULT_SUB_GROUP_SIZE, PARAM_NVME_BUFFER_SIZE, Estimate, Row, ZeroChoice
+from hf_zero.estimator.choices import ZeroChoice
+from hf_zero.estimator.constants import DEFAULT_SUB_GROUP_SIZE, PARAM_NVME_BUFFER_SIZE
+from hf_zero.estimator.memory import Estimate, Row
 from hf_zero.estimator.units import format_bytes, format_count
 
 __all__ = ["DEFAULT_NVME_PATH", "nothing_fits_message", "render_report", "zero_config_for"]

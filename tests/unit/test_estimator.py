@@ -564,10 +564,10 @@ def test_compare_with_measurement():
 
 def test_docstring_examples():
     import hf_zero.estimator as pkg
-    from hf_zero.estimator import calibration, memory, model_spec, report, units
+    from hf_zero.estimator import calibration, choices, constants, memory, model_spec, report, terms, units
 
     attempted = 0
-    for module in (pkg, calibration, memory, model_spec, report, units):
+    for module in (pkg, calibration, choices, constants, memory, model_spec, report, terms, units):
         result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
         assert result.failed == 0, module.__name__
         attempted += result.attempted

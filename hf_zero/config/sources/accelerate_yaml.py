@@ -16,7 +16,6 @@ No torch, transformers or accelerate import here: ``hf-zero config --from-accele
 from __future__ import annotations
 
 import difflib
-import json
 import os
 from collections.abc import Mapping
 from pathlib import Path
