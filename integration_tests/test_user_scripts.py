@@ -20,6 +20,7 @@ it what transformers 4 with DeepSpeed installed gave such a script), same seed a
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 import torch
@@ -54,10 +55,13 @@ def _plain_run(tmp_path_factory, script: str, extra: list[str]):
     return out, proc.stdout
 
 
-def _hf_zero_run(tmp_path, stage: int, script: str, extra: list[str]):
-    config = write_config(tmp_path / f"ds_config_zero{stage}.json", zero_config(stage))
+def _hf_zero_run(tmp_path, stage: int, script: str, extra: list[str], config: dict | None = None):
+    """``script`` through ``hf-zero run`` on 2 ranks; ``extra`` starts with the script's own path when
+    ``script`` is a wrapper that runs it."""
+    config = write_config(tmp_path / f"ds_config_zero{stage}.json", config or zero_config(stage))
     out = tmp_path / "out"
-    proc = hf_zero_run(2, script, "--deepspeed", str(config), "--output_dir", str(out),
+    prefix, extra = (extra[:1], extra[1:]) if script == STRICT else ([], extra)
+    proc = hf_zero_run(2, script, *prefix, "--deepspeed", str(config), "--output_dir", str(out),
                        "--per_device_train_batch_size", "2", *V4_FLAGS, *COMMON, *extra)
     return out, proc.stdout
 
@@ -138,14 +142,36 @@ def alpaca_reference(tmp_path_factory):
     return _plain_run(tmp_path_factory, ALPACA, FASTCHAT_ARGS)
 
 
-@pytest.mark.parametrize("stage", [2, 3])
-def test_alpaca_style_state_dict_save(stage, alpaca_reference, tmp_path):
+STRICT = "integration_tests/scripts/strict_collectives_run.py"
+
+
+@pytest.mark.parametrize("stage, offload_param", [(2, None), (3, "cpu"), (3, "nvme")])
+def test_alpaca_style_state_dict_save(stage, offload_param, alpaca_reference, tmp_path):
     """``trainer.model.state_dict()`` on every rank + ``trainer._save(dir, state_dict=...)`` on the
-    saving rank writes the whole model, as the Trainer's FSDP full state dict did."""
+    saving rank writes the whole model, as the Trainer's FSDP full state dict did.
+
+    With ``offload_param`` (review N1) the gathers take host shards: on a GPU NCCL refused them
+    ("No backend type associated with device type cpu"), and NVMe-swapped shards, empty while
+    swapped out, crashed every rank (SIGSEGV, on CPU too). These runs go through strict collectives
+    (tests/strict_collectives.py), which fail on CPU where NCCL would on a GPU."""
     from transformers import AutoModelForCausalLM
 
     reference, _ = alpaca_reference
-    out, _ = _hf_zero_run(tmp_path, stage, ALPACA, FASTCHAT_ARGS)
+    if offload_param is None:
+        out, _ = _hf_zero_run(tmp_path, stage, ALPACA, FASTCHAT_ARGS)
+    else:
+        section = {"device": offload_param, "pin_memory": False}
+        if offload_param == "nvme":
+            # A small max_in_cpu: shards are swapped out between uses, as when state_dict() is called.
+            (tmp_path / "nvme").mkdir()
+            section.update(nvme_path=str(tmp_path / "nvme"), max_in_cpu=1000)
+        config = zero_config(stage)
+        config["zero_optimization"]["offload_param"] = section
+        if offload_param == "nvme":  # hf_zero keeps the fp32 masters off swapped parameters
+            config["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": False}
+        out, log = _hf_zero_run(tmp_path, stage, STRICT, [ALPACA, *FASTCHAT_ARGS], config=config)
+        counters = [json.loads(line.split("strict stats ", 1)[1]) for line in log.splitlines() if "strict stats " in line]
+        assert counters and all(c["tagged"] > 0 and c["moved"] > 0 for c in counters), counters  # not vacuous
     _same_losses(out, reference)
     got_sd = AutoModelForCausalLM.from_pretrained(out).state_dict()
     expected_sd = AutoModelForCausalLM.from_pretrained(reference).state_dict()

@@ -29,6 +29,7 @@ from torch import nn
 __all__ = [
     "LIBRARY_PACKAGES",
     "called_from_library",
+    "is_library_module",
     "attach_consolidated_state_dict",
     "check_whole_state_dict",
 ]
@@ -38,6 +39,11 @@ LIBRARY_PACKAGES = frozenset({"transformers", "accelerate", "peft", "trl", "torc
 LLaMA-Factory is one: its DPO/KTO trainers hand the reference model to TRL's ``prepare_deepspeed``
 (``deepspeed.initialize``) when ``self.is_deepspeed_enabled``, else to
 ``accelerator.prepare_model(evaluation_mode=True)``, which hf_zero routes to ``prepare_frozen_model``."""
+
+
+def is_library_module(module_name: str) -> bool:
+    """Whether code of the module ``module_name`` belongs to one of :data:`LIBRARY_PACKAGES`."""
+    return module_name.split(".", 1)[0] in LIBRARY_PACKAGES
 
 
 def called_from_library(depth: int = 2) -> bool:
@@ -51,8 +57,7 @@ def called_from_library(depth: int = 2) -> bool:
         frame = sys._getframe(depth)
     except ValueError:  # fewer frames than asked for: the interpreter itself called
         return True
-    module = frame.f_globals.get("__name__", "") or ""
-    return module.split(".", 1)[0] in LIBRARY_PACKAGES
+    return is_library_module(frame.f_globals.get("__name__", "") or "")
 
 
 def attach_consolidated_state_dict(module: nn.Module, engine: Any) -> None:

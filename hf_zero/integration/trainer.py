@@ -122,7 +122,7 @@ class ZeroTrainerMixin(ZeroCheckpointingMixin):
         if engine.config.stage >= 2:
             from hf_zero.integration.script_state_dict import gather_state_dicts_for_scripts
 
-            gather_state_dicts_for_scripts(self.model)  # Alpaca's trainer.model.state_dict() save
+            gather_state_dicts_for_scripts(self.model, engine)  # Alpaca's trainer.model.state_dict() save
         for listener in ZeroTrainerMixin.engine_listeners:
             listener(self)
         if engine.config.stage >= 2 and hasattr(self.model, "generate") and not getattr(self.model, "_hf_zero_generate", False):
