@@ -20,6 +20,7 @@ from _launch import torchrun
 from _models import tiny_model
 
 from hf_zero.engine import materialize as mz
+from hf_zero.engine import meta_loading
 
 WORKER = "tests/distributed/materialize_worker.py"
 
@@ -135,7 +136,7 @@ def test_install_is_global_and_idempotent(saved, as_rank):
     finally:
         mz.uninstall_low_memory_loading()
     assert not mz.has_meta_params(_load(saved / "llama"))
-    assert PreTrainedModel.__dict__["from_pretrained"] is before or not mz._State.installed
+    assert PreTrainedModel.__dict__["from_pretrained"] is before or not meta_loading._State.installed
 
 
 def test_peft_on_meta_base(saved, as_rank):

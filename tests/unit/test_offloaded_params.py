@@ -1,4 +1,4 @@
-"""Which parameters low-memory loading treats as offloaded (engine/materialize.py): FSDP2 keeps its
+"""Which parameters low-memory loading treats as offloaded (engine/rank0_shards.py): FSDP2 keeps its
 units' parameter groups under torch-private names that changed in torch 2.12, and a silent miss
 would put offloaded shards in accelerator memory on a GPU run."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 import hf_zero
-from hf_zero.engine.materialize import _offloaded_params
+from hf_zero.engine.rank0_shards import _offloaded_params
 
 
 def _tiny():
