@@ -15,58 +15,19 @@ import warnings
 
 import pytest
 import torch
-from datasets import Dataset
-from torch import nn
-from transformers import PretrainedConfig, PreTrainedModel, Trainer, TrainingArguments
+from transformers import Trainer, TrainingArguments
 
 from hf_zero import ZeroTrainer, ZeroTrainingArguments
 
-
-class ScalarConfig(PretrainedConfig):
-    model_type = "hf_zero_scalar_test"
-
-    def __init__(self, hidden=8, **kw):
-        self.hidden = hidden
-        super().__init__(**kw)
+from _scalar_model import SCALARS, ScalarModel, scalar_dataset, scalar_model, update_counts
 
 
-class ScalarModel(PreTrainedModel):
-    """y = a * head(x) + b, with ``a`` and ``b`` 0-dim, as in transformers' RegressionModel, plus a
-    ``logit_scale`` used through ``.exp()`` as CLIP does."""
-
-    config_class = ScalarConfig
-
-    def __init__(self, config):
-        super().__init__(config)
-        self.head = nn.Linear(config.hidden, 1)
-        self.a = nn.Parameter(torch.tensor(0.5))
-        self.b = nn.Parameter(torch.tensor(0.0))
-        self.logit_scale = nn.Parameter(torch.tensor(0.1))
-        self.post_init()
-
-    def _init_weights(self, module):
-        if isinstance(module, nn.Linear):
-            torch.manual_seed(0)
-            module.weight.data.normal_(0, 0.5)
-            module.bias.data.zero_()
-
-    def forward(self, input_x, labels=None):
-        assert self.a.dim() == 0 and self.logit_scale.dim() == 0  # the model's code sees scalars
-        y = self.a * self.head(input_x).squeeze(-1) * self.logit_scale.exp() + self.b
-        loss = nn.functional.mse_loss(y, labels) if labels is not None else None
-        return {"loss": loss, "logits": y}
-
-
-def _data(n=32):
-    g = torch.Generator().manual_seed(5)
-    x = torch.randn(n, 8, generator=g)
-    y = x @ torch.linspace(-1, 1, 8) + 0.3
-    return Dataset.from_dict({"input_x": x.tolist(), "labels": y.tolist()})
+def _data():
+    return scalar_dataset()
 
 
 def _model():
-    torch.manual_seed(0)
-    return ScalarModel(ScalarConfig())
+    return scalar_model()
 
 
 def _args(tmp_path, name, **kw):
@@ -168,7 +129,7 @@ def plain_runs(tmp_path_factory):
             optimizers = (None, None) if kind is None else (_SECTIONS[kind][1](_reference_groups(model, kind), 5e-2), None)
             trainer = Trainer(model=model, args=args, train_dataset=_data(), optimizers=optimizers)
             trainer.train()
-            done[kind] = _losses(trainer), {n: getattr(model, n).item() for n in ("a", "b", "logit_scale")}
+            done[kind] = _losses(trainer), {n: getattr(model, n).item() for n in SCALARS}
         return done[kind]
 
     return get
@@ -177,18 +138,15 @@ def plain_runs(tmp_path_factory):
 def _assert_stepped_once_and_same_as(zero, plain):
     """Every trainable parameter sits once in the optimizer's groups, every step counter counts the
     updates, and the losses and the trained scalars (read as a user reads them) are the plain Trainer's."""
-    listed = [id(p) for g in zero.optimizer.param_groups for p in g["params"]]
-    assert sorted(listed) == sorted(id(p) for p in zero.model.parameters() if p.requires_grad)
-    for name, entry in zero.optimizer.state_dict()["state"].items():
-        if "step" in entry:  # a parameter listed twice is stepped twice per update
-            step = entry["step"]
-            assert float(step.full_tensor() if hasattr(step, "full_tensor") else step) == zero.state.global_step, name
+    counts = update_counts(zero)
+    assert counts["listed"] == [1] * len(counts["listed"]) and counts["foreign"] == 0, counts
+    assert set(counts["steps"].values()) <= {float(zero.state.global_step)}, counts
     # One process, the same fp32 kernels on the same values: FSDP2 at world size 1 reduce-scatters
     # by a copy, so the runs agree to fp32 rounding, a few ulp per op over the ~10^2 ops of 4 steps
     # (rtol 1e-5). A second update of a scalar per step moves the losses by percents (5.80 vs 6.07).
     plain_losses, plain_scalars = plain
     torch.testing.assert_close(_losses(zero), plain_losses, rtol=1e-5, atol=0)
-    for name in ("a", "b", "logit_scale"):
+    for name in SCALARS:
         value = getattr(zero.model, name)  # after train(): the trained value, read on every rank
         assert value.shape == torch.Size([]), name
         want = plain_scalars[name]

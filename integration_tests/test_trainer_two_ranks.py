@@ -1,7 +1,8 @@
 """Trainer options that only show on more than one rank, against transformers' own Trainer under the
 same torchrun launch (plain DDP): ``average_tokens_across_devices=False`` at stages 0-3 and its
 default at stage 0, ``--optim galore_adamw`` with ``optim_target_modules`` at stages 2/3 (GaLore's
-SVD on ZeRO's sharded gradients), and submodules called directly after ``train()`` at stages 0/1.
+SVD on ZeRO's sharded gradients), submodules called directly after ``train()`` at stages 0/1, and
+0-dim parameters with the config's optimizer section at stages 2/3 (read after ``train()`` on both ranks).
 
 All runs share one 2-rank launch (``scripts/two_rank_options.py``; the GaLore runs only where
 galore_torch is installed) to keep CI short. Losses rtol 2e-4, gradient norms 2e-3 (both the
@@ -91,3 +92,24 @@ def test_submodule_called_after_train(runs, stage):
         torch.testing.assert_close(torch.tensor(got[part]), torch.tensor(want[part]), rtol=1e-4, atol=2e-5)
     rows = _weights(runs / f"s{stage}_per_rank")["model.embed_tokens.weight"][torch.tensor([[5, 17, 42, 99]])]
     torch.testing.assert_close(torch.tensor(got["embedding"]), rows, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("run,reference", [("s2_scalar_adamw", "ddp_scalar_adamw"),
+                                           ("s3_scalar_lamb_offload", "ddp_scalar_lamb")])
+def test_scalar_parameters_stepped_once_and_read_on_every_rank(runs, run, reference):
+    """0-dim parameters with the config's optimizer section on 2 ranks: each parameter sits once in the
+    optimizer and is stepped once per update, the losses are DDP's, and ``trainer.model.a.item()``
+    reads the trained value on both ranks (rank 1's shard of the 1-element storage is empty)."""
+    scalar = json.loads((runs / "result.json").read_text())["scalar"]
+    for rank, counts in enumerate(scalar[run]):
+        assert "error" not in counts, (rank, counts["error"])
+        assert counts["listed"] == [1] * len(counts["listed"]) and counts["foreign"] == 0, (rank, counts)
+        assert counts["steps"] and set(counts["steps"].values()) == {4.0}, (rank, counts)  # 4 updates
+    # Same data and update as DDP; only the reduction's association differs (2 ranks' gradients
+    # averaged by all-reduce vs reduce-scatter): fp32 rounding through 4 steps, rtol 1e-5. A scalar
+    # stepped twice moves the losses by percents from step 2.
+    torch.testing.assert_close(logged_losses(runs / run), logged_losses(runs / reference), rtol=1e-5, atol=0)
+    want = scalar[reference][0]["reads"]
+    for rank, counts in enumerate(scalar[run]):
+        assert counts["reads"] == pytest.approx(want, rel=1e-5, abs=1e-7), rank
+    assert want["a"] != 0.5  # trained
