@@ -29,8 +29,9 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -58,6 +59,7 @@ __all__ = [
     "select_device",
     "set_rng_state",
     "synchronize",
+    "thread_initializer",
     "use_runtime",
 ]
 
@@ -217,6 +219,27 @@ def current_device() -> torch.device:
     if not _runtime.available():
         return torch.device("cpu")
     return _runtime.device(_runtime.current_index())
+
+
+def thread_initializer() -> Callable[[], None]:
+    """What a worker thread hf_zero starts runs first (``ThreadPoolExecutor(initializer=...)``):
+    make the current accelerator device of the thread calling this (the rank's) current there too.
+
+    A new thread starts on device 0 whatever its process selected, so its first runtime call (an
+    event wait, a copy) would create a context on GPU 0 from every rank (review N4). Call it on
+    the thread that creates the pool. Without an accelerator it returns a function doing nothing.
+    """
+    if not _runtime.available():
+        return _nothing
+    return functools.partial(_set_device, _runtime.current_index())
+
+
+def _set_device(index: int) -> None:
+    _runtime.set_device(index)
+
+
+def _nothing() -> None:
+    return None
 
 
 def default_backend() -> str:

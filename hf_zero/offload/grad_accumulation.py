@@ -71,7 +71,8 @@ class StagedAccumulation:
                                             setting=self._setting)
                     for block in self._arena.views:
                         self._free.put(block)
-                    self._worker = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="hf_zero-accumulate")
+                    self._worker = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="hf_zero-accumulate",
+                                                         initializer=accel.thread_initializer())  # rank's device
         return self._worker is not None
 
     def add(self, dst: torch.Tensor, src: torch.Tensor) -> None:

@@ -146,7 +146,8 @@ class OffloadedOptimizer(_NvmeChunks, _OptimizerCheckpoint, _OwnerBroadcast, tor
         if copy_back_thread is None:
             copy_back_thread = any(accel.is_accelerator(p) for p in plan.host)
         self._copier: Any = (
-            cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="hf_zero-copyback")
+            cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="hf_zero-copyback",
+                                  initializer=accel.thread_initializer())  # on the rank's device (N4)
             if copy_back_thread else _InlineExecutor()
         )
         self._feeds: list[Any] = []

@@ -388,7 +388,8 @@ class SwapSpace:
         self.threads = max(1, int(aio.thread_count))
         self.direct = direct and hasattr(os, "O_DIRECT")
         self._records: dict[str, _Record] = {}
-        self._pool = cf.ThreadPoolExecutor(max_workers=self.threads, thread_name_prefix="hf_zero-swap")
+        self._pool = cf.ThreadPoolExecutor(max_workers=self.threads, thread_name_prefix="hf_zero-swap",
+                                           initializer=accel.thread_initializer())  # on the rank's device (N4)
         self._closed = False
         self.bytes_read = 0
         self.bytes_written = 0
