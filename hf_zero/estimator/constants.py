@@ -10,6 +10,36 @@ from __future__ import annotations
 
 from typing import Literal
 
+__all__ = [
+    "ACTIVATION_BYTES_PER_AS2B",
+    "ACTIVATION_BYTES_PER_SBH",
+    "ADAM_K",
+    "ADAM_K_FP32",
+    "AUTOCAST_COPY_BYTES",
+    "AUTOCAST_GRAD_BYTES",
+    "BYTES_PER_GRAD_16BIT",
+    "BYTES_PER_GRAD_FP32",
+    "BYTES_PER_PARAM_16BIT",
+    "BYTES_PER_PARAM_FP32",
+    "CHECKPOINT_BYTES_PER_SBH",
+    "DEFAULT_GPU_RESERVE_BYTES",
+    "DEFAULT_MICRO_BATCH_SIZE",
+    "DEFAULT_SEQ_LEN",
+    "DEFAULT_SUB_GROUP_SIZE",
+    "FP32_ACTIVATION_FACTOR",
+    "FP32_GRAD_COPY_BYTES",
+    "FP32_REDUCE_BYTES",
+    "LOGITS_BYTES_PER_ELEMENT",
+    "OFFLOAD_DEVICES",
+    "OPTIMIZER_NVME_BUFFER_COUNT",
+    "PARAM_NVME_BUFFER_COUNT",
+    "PARAM_NVME_BUFFER_SIZE",
+    "REPLICA_GRAD_BYTES",
+    "REPLICA_PARAM_BYTES",
+    "STAGE2_SHARD_EXTRA_BYTES",
+    "STAGE3_GATHERED_BLOCKS",
+]
+
 OffloadDevice = Literal["none", "cpu", "nvme"]
 OFFLOAD_DEVICES: tuple[OffloadDevice, ...] = ("none", "cpu", "nvme")
 

@@ -27,37 +27,16 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from hf_zero.estimator.choices import PRECISIONS, SPEED_ORDER, Precision, ZeroChoice, is_valid_choice
-# The constants and formulas lived here before they had modules of their own; importing them from
-# hf_zero.estimator.memory keeps working.
+# The constants, choices and formulas lived here before they had modules of their own: importing
+# any of them from hf_zero.estimator.memory keeps working (is_valid_choice and the star import are
+# here for that only).
+from hf_zero.estimator.choices import PRECISIONS, SPEED_ORDER, Precision, ZeroChoice, is_valid_choice  # noqa: F401
+from hf_zero.estimator.constants import *  # noqa: F403
 from hf_zero.estimator.constants import (
-    ACTIVATION_BYTES_PER_AS2B,
-    ACTIVATION_BYTES_PER_SBH,
-    ADAM_K,
-    ADAM_K_FP32,
-    AUTOCAST_COPY_BYTES,
-    AUTOCAST_GRAD_BYTES,
-    BYTES_PER_GRAD_16BIT,
-    BYTES_PER_GRAD_FP32,
-    BYTES_PER_PARAM_16BIT,
-    BYTES_PER_PARAM_FP32,
-    CHECKPOINT_BYTES_PER_SBH,
     DEFAULT_GPU_RESERVE_BYTES,
     DEFAULT_MICRO_BATCH_SIZE,
     DEFAULT_SEQ_LEN,
     DEFAULT_SUB_GROUP_SIZE,
-    FP32_ACTIVATION_FACTOR,
-    FP32_GRAD_COPY_BYTES,
-    FP32_REDUCE_BYTES,
-    LOGITS_BYTES_PER_ELEMENT,
-    OFFLOAD_DEVICES,
-    OPTIMIZER_NVME_BUFFER_COUNT,
-    PARAM_NVME_BUFFER_COUNT,
-    PARAM_NVME_BUFFER_SIZE,
-    REPLICA_GRAD_BYTES,
-    REPLICA_PARAM_BYTES,
-    STAGE2_SHARD_EXTRA_BYTES,
-    STAGE3_GATHERED_BLOCKS,
 )
 from hf_zero.estimator.errors import EstimatorError
 from hf_zero.estimator.model_spec import ALL_LINEAR, ModelSpec, load_model_spec, lora_param_count, lora_target_layers
@@ -72,50 +51,7 @@ from hf_zero.estimator.terms import (
 )
 from hf_zero.estimator.units import parse_memory_size
 
-__all__ = [
-    "ACTIVATION_BYTES_PER_AS2B",
-    "ACTIVATION_BYTES_PER_SBH",
-    "AUTOCAST_COPY_BYTES",
-    "AUTOCAST_GRAD_BYTES",
-    "ADAM_K",
-    "ADAM_K_FP32",
-    "BYTES_PER_GRAD_16BIT",
-    "BYTES_PER_GRAD_FP32",
-    "BYTES_PER_PARAM_16BIT",
-    "BYTES_PER_PARAM_FP32",
-    "CHECKPOINT_BYTES_PER_SBH",
-    "DEFAULT_GPU_RESERVE_BYTES",
-    "DEFAULT_MICRO_BATCH_SIZE",
-    "DEFAULT_SEQ_LEN",
-    "DEFAULT_SUB_GROUP_SIZE",
-    "FP32_ACTIVATION_FACTOR",
-    "FP32_GRAD_COPY_BYTES",
-    "FP32_REDUCE_BYTES",
-    "LOGITS_BYTES_PER_ELEMENT",
-    "OFFLOAD_DEVICES",
-    "OPTIMIZER_NVME_BUFFER_COUNT",
-    "PARAM_NVME_BUFFER_COUNT",
-    "PARAM_NVME_BUFFER_SIZE",
-    "PRECISIONS",
-    "REPLICA_GRAD_BYTES",
-    "REPLICA_PARAM_BYTES",
-    "SPEED_ORDER",
-    "STAGE2_SHARD_EXTRA_BYTES",
-    "STAGE3_GATHERED_BLOCKS",
-    "ActivationEstimate",
-    "Breakdown",
-    "Estimate",
-    "Precision",
-    "Row",
-    "ZeroChoice",
-    "activation_bytes",
-    "estimate",
-    "estimate_memory",
-    "implementation_terms",
-    "is_valid_choice",
-    "model_state_bytes",
-    "working_buffer_bytes",
-]
+__all__ = ["Estimate", "Row", "estimate", "estimate_memory"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
