@@ -212,6 +212,50 @@ def zero_config_dict(config: BenchConfig, *, nvme_path: str | None = None, sub_g
     return cfg
 
 
+# --------------------------------------------------------------------------------------- processes
+def run_process_group(cmd: Sequence[str], *, timeout: float | None, stdout: Any = None, stderr: Any = "stdout",
+                      env: dict[str, str] | None = None, cwd: Any = None) -> int | None:
+    """Run ``cmd`` in a session of its own; its exit status, or None when it ran past ``timeout``
+    (see :func:`wait_process_group`). ``stderr="stdout"`` sends both streams to ``stdout``."""
+    import subprocess
+
+    if stderr == "stdout":
+        stderr = subprocess.STDOUT if stdout is not None else None
+    proc = subprocess.Popen(list(cmd), stdout=stdout, stderr=stderr, env=env, cwd=cwd, start_new_session=True)
+    return wait_process_group(proc, timeout)
+
+
+def wait_process_group(proc: Any, timeout: float | None, grace_s: float = 10.0) -> int | None:
+    """Wait for ``proc`` (started with ``start_new_session=True``); its exit status, or None when it
+    ran past ``timeout``. Then the whole process group is ended (SIGTERM, then SIGKILL after
+    ``grace_s``), not only ``proc``: killing torchrun alone leaves its worker ranks running, and on a
+    GPU they would keep their memory while the next configuration starts.
+    """
+    import os
+    import signal
+    import subprocess
+
+    try:
+        return proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        pass
+
+    def signal_group(sig: int) -> None:
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:  # the group is already empty
+            pass
+
+    signal_group(signal.SIGTERM)  # torchrun forwards it to its ranks and waits for them
+    try:
+        proc.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        pass
+    signal_group(signal.SIGKILL)  # members that ignored SIGTERM or outlived the leader
+    proc.wait()
+    return None
+
+
 # --------------------------------------------------------------------------------------- GPU memory cap
 _SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([kKmMgGtT]?)(i?[bB])?\s*$")
 _UNIT = {"": 1, "k": 1024, "m": MiB, "g": GiB, "t": 1024**4}

@@ -346,19 +346,18 @@ def run_config(config: lib.BenchConfig, args: argparse.Namespace, python: str, m
     with open(log_path, "w") as log:
         log.write(" ".join(cmd) + "\n")
         log.flush()
-        try:
-            proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO, timeout=timeout)
-            if proc.returncode != 0:
-                status = "failed"
-        except subprocess.TimeoutExpired:
+        returncode = lib.run_process_group(cmd, stdout=log, env=env, cwd=REPO, timeout=timeout)
+        if returncode is None:
             status, error = "timeout", f"timed out after {timeout:.0f} s"
+        elif returncode != 0:
+            status = "failed"
     wall = time.perf_counter() - t0
     records = [json.loads(p.read_text()) for p in sorted(result_dir.glob("rank*.json"))]
     exit_note = None
     if status == "failed" and len(records) == args.nproc_per_node and all(r.get("status") == "ok" for r in records):
         # Every rank trained and wrote its results; the job failed on the way out.
         status = "ok"
-        exit_note = f"torchrun exited {proc.returncode} after every rank had finished training: {lib.short_error(log_path.read_text()[-4000:])}"
+        exit_note = f"torchrun exited {returncode} after every rank had finished training: {lib.short_error(log_path.read_text()[-4000:])}"
     if status == "failed":
         rank_errors = [r.get("error", "") for r in records if r.get("status") == "failed"]
         error = rank_errors[0] if rank_errors else log_path.read_text()[-4000:]
