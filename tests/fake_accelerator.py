@@ -3,15 +3,32 @@
 Installed through ``hf_zero.distributed.device.use_runtime`` (see :func:`fake_accelerator`), it
 behaves like a CUDA runtime whose device memory is ordinary CPU memory:
 
-* **Copies land later.** An asynchronous copy (host side pinned) first poisons its destination
-  (NaN, or -1 for integers) and is carried out on a single "stream" thread after a delay, reading
-  its source *then*, as a DMA engine does. Its event completes when it has landed. Code that reads
-  the destination before waiting sees poison.
+* **One stream per device; copies land as late as allowed.** An asynchronous copy (host side
+  pinned) first poisons its destination (NaN, or -1 for integers) and is queued on the stream of
+  the device its data lives on. Queued copies run, in order, only when something waits for them
+  (an event recorded on *that* device's stream after them, a synchronize of that device, or a
+  blocking copy), reading their source *then*, as a DMA engine does. Code that reads the
+  destination before waiting, or waits on another device's stream, sees poison.
+* **Devices.** Every tensor of this process lives on its own device: the index the main thread
+  selected (``select_device``, as each rank of a real run uses one GPU), which the fake's tensors
+  report as ``torch.device("cpu")``. The current device is per thread and starts at 0 in every
+  thread; any index other than the process's own is ``torch.device("cpu", index)``, a device
+  holding none of this process's data. An event recorded on the current device of a worker thread
+  that never selected the rank's device (review F3: rank 1's copy-back thread waiting on device 0)
+  therefore orders nothing, and the copy it was meant to wait for is still poison.
+* **A caching allocator that reuses freed blocks.** A device-to-host copy issued on a side stream
+  (inside a ``torch.cpu.stream(...)`` block, which is where FSDP2 runs its gradient hooks: on its
+  all-reduce stream, reading the reduce-scatter output it allocated on its reduce-scatter stream)
+  reads a block allocated on another stream. If that block has been freed by the time the copy
+  runs (no tensor but the copy's own reference holds its storage), the allocator has handed it
+  out again to the next allocation on its stream, as CUDA's caching allocator does (review F6):
+  the copy lands poison (counted in ``reused``) unless ``record_stream`` was called on the block
+  while the copy was queued. A copy on the default stream from a freed block reads right: the
+  block's next user is ordered after it on the same stream.
 * **Pinned storage cannot be resized,** as ``cudaHostAlloc``'s cannot: pinned buffers and
   ``Tensor.pin_memory()`` copies (patched while installed, so FSDP2's ``CPUOffloadPolicy`` pins
   through it too) are ``frombuffer`` tensors.
-* **A per-thread current device,** starting at 0 in every thread; every event and wait records the
-  device it targets, so a worker thread waiting on device 0 for a copy to device 1 shows.
+* **Every event, wait and synchronize is logged** with the device it targets (``events``).
 
 "Host memory" is what the runtime pinned; every other tensor counts as accelerator memory (the
 model's parameters and gradients). Collectives stay on gloo.
@@ -19,10 +36,8 @@ model's parameters and gradients). Collectives stay on gloo.
 
 from __future__ import annotations
 
-import concurrent.futures as cf
 import contextlib
 import threading
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -40,25 +55,50 @@ def _poison(t: torch.Tensor) -> None:
 
 @dataclass
 class FakeEvent:
-    future: cf.Future | None
-    device: torch.device
+    device: torch.device  # as recorded
+    index: int  # the device whose stream it is on
+    seq: int  # the copies queued on that stream before it
+
+
+@dataclass(eq=False)
+class _Copy:
+    """An asynchronous copy queued on a stream."""
+
+    dst: torch.Tensor
+    src: torch.Tensor  # a device source: an alias of its storage (no autograd link to keep it alive)
+    block: int | None  # a device source's storage address (the caching allocator's block)
+    protected: bool = False  # record_stream was called on the block while the copy was queued
+
+
+@dataclass
+class _Stream:
+    queue: list[_Copy] = field(default_factory=list)
+    issued: int = 0
+    landed: int = 0
+
+
+def _storage_users(t: torch.Tensor) -> int:
+    """Tensors holding ``t``'s storage (the temporary storage object of the query left out)."""
+    return torch._C._storage_Use_Count(t.untyped_storage()._cdata) - 1
 
 
 @dataclass
 class FakeAccelerator:
-    """See the module docstring. ``delay_s``: how long each asynchronous copy stays in flight."""
+    """See the module docstring."""
 
-    delay_s: float = 0.002
     count: int = 2
     type: str = "cpu"  # the devices tensors really live on
     backend: str = "gloo"
-    events: list[tuple[str, torch.device]] = field(default_factory=list)  # ("record"/"wait", device)
+    events: list[tuple[str, torch.device]] = field(default_factory=list)  # ("record"/"wait"/"sync", device)
     async_copies: int = 0
+    reused: int = 0  # device-to-host copies that read a block the allocator had handed out again
+    _home: int = 0  # the device this process's tensors live on (selected on the main thread)
     _pinned: set[int] = field(default_factory=set)
     _local: threading.local = field(default_factory=threading.local)
-    _stream: cf.ThreadPoolExecutor = field(default_factory=lambda: cf.ThreadPoolExecutor(1, thread_name_prefix="fake-stream"))
-    _last: cf.Future | None = None
-    _lock: threading.Lock = field(default_factory=threading.Lock)
+    _streams: dict[int, _Stream] = field(default_factory=dict)
+    _owners: dict[int, int] = field(default_factory=dict)  # block -> queued copies reading it
+    _lock: threading.RLock = field(default_factory=threading.RLock)
+    _default_stream: object = field(default_factory=torch.cpu.current_stream)  # outside any stream block
 
     # --- devices
     def available(self) -> bool:
@@ -69,12 +109,19 @@ class FakeAccelerator:
 
     def set_device(self, index: int) -> None:
         self._local.index = index
+        if threading.current_thread() is threading.main_thread():
+            self._home = index  # select_device: where this process's tensors live
 
     def current_index(self) -> int:
         return getattr(self._local, "index", 0)
 
     def device(self, index: int) -> torch.device:
-        return torch.device("cpu")
+        # The process's own device is what its tensors report; another index holds none of them.
+        return torch.device("cpu") if index == self._home else torch.device("cpu", index)
+
+    def _index(self, device: torch.device) -> int:
+        device = torch.device(device)
+        return self._home if device.index is None else device.index
 
     def is_accelerator(self, device: torch.device) -> bool:
         return False  # a device object cannot tell; tensors can (on_accelerator)
@@ -107,43 +154,78 @@ class FakeAccelerator:
         return out
 
     # --- copies, events, streams
+    def _stream(self, index: int) -> _Stream:
+        return self._streams.setdefault(index, _Stream())
+
     def copy(self, dst: torch.Tensor, src: torch.Tensor, non_blocking: bool) -> None:
         if not non_blocking:
-            self.flush()  # a blocking copy is ordered after the queued ones
+            self._land(self._home)  # a blocking copy runs after what its device's stream holds
             dst.copy_(src)
             return
         _poison(dst)
-
-        def land() -> None:
-            time.sleep(self.delay_s)
-            dst.copy_(src)
-
+        block = None
+        if self.on_accelerator(src) and torch.cpu.current_stream() is not self._default_stream:
+            # Hold the storage only, not src (a view keeps its base alive): whether anyone else
+            # still holds the block is then visible when the copy runs.
+            block = src.untyped_storage().data_ptr()
+            src = torch.empty(0, dtype=src.dtype).set_(src.untyped_storage(), src.storage_offset(), src.size(),
+                                                       src.stride())
         with self._lock:
             self.async_copies += 1
-            self._last = self._stream.submit(land)
+            stream = self._stream(self._home)  # a copy runs on the stream of its data's device
+            stream.queue.append(_Copy(dst, src, block))
+            stream.issued += 1
+            if block is not None:
+                self._owners[block] = self._owners.get(block, 0) + 1
+
+    def _run(self, op: _Copy) -> None:
+        if op.block is not None:
+            freed = _storage_users(op.src) <= self._owners[op.block]
+            self._owners[op.block] -= 1
+            if not self._owners[op.block]:
+                del self._owners[op.block]
+            if freed and not op.protected:
+                self.reused += 1  # the block holds someone else's data by now
+                return  # the destination stays poisoned
+        op.dst.copy_(op.src)
+
+    def _land(self, index: int, upto: int | None = None) -> None:
+        """Run the copies queued on device ``index``'s stream (the first ``upto`` of them)."""
+        with self._lock:
+            stream = self._streams.get(index)
+            while stream is not None and stream.queue and (upto is None or stream.landed < upto):
+                stream.landed += 1
+                self._run(stream.queue.pop(0))
 
     def record_event(self, device: torch.device) -> FakeEvent:
         self.events.append(("record", torch.device(device)))
+        index = self._index(device)
         with self._lock:
-            return FakeEvent(self._last, torch.device(device))
+            return FakeEvent(torch.device(device), index, self._stream(index).issued)
 
     def wait_event(self, event: FakeEvent) -> None:
         self.events.append(("wait", event.device))
-        if event.future is not None:
-            event.future.result()
+        self._land(event.index, event.seq)
 
     def flush(self) -> None:
         with self._lock:
-            last = self._last
-        if last is not None:
-            last.result()
+            for index in list(self._streams):
+                self._land(index)
 
     def synchronize(self, device: torch.device) -> None:
         self.events.append(("sync", torch.device(device)))
-        self.flush()
+        self._land(self._index(device))
 
     def record_stream(self, t: torch.Tensor) -> None:
         self.events.append(("record_stream", t.device))
+        if not self.on_accelerator(t):
+            return
+        block = t.untyped_storage().data_ptr()
+        with self._lock:  # the allocator keeps the block until the work queued now has run
+            for stream in self._streams.values():
+                for op in stream.queue:
+                    if op.block == block:
+                        op.protected = True
 
     def get_rng_state(self) -> torch.Tensor | None:
         return None
@@ -178,7 +260,6 @@ def fake_accelerator(**kwargs) -> Iterator[FakeAccelerator]:
             fake.flush()
     finally:
         torch.Tensor.pin_memory, torch.Tensor.is_pinned = real_pin, real_is_pinned  # type: ignore[method-assign]
-        fake._stream.shutdown(wait=True)
 
 
 FAKE_ENV = "HF_ZERO_FAKE_ACCELERATOR"

@@ -1,14 +1,18 @@
 """The device layer (hf_zero/distributed/device.py) and the offload paths under a fake accelerator.
 
 The fake (tests/fake_accelerator.py) lets asynchronous copies land late with their destination
-poisoned, and makes pinned storage non-resizable, so the GPU's hazards show on CPU: a gradient norm
-read before the device-to-host copies landed (review finding F2), syncs decided by the backend
-instead of the data (F4), resizing pinned parameter shards for NVMe swapping (F5).
+poisoned, keeps one stream per device, hands freed device blocks out again, and makes pinned storage
+non-resizable, so the GPU's hazards show on CPU: a gradient norm read before the device-to-host
+copies landed (review finding F2), a copy waited for on the thread's device instead of the data's
+(F3), syncs decided by the backend instead of the data (F4), resizing pinned parameter shards for
+NVMe swapping (F5), a gradient block handed out again while its copy to the host still reads it
+(F6).
 """
 
 from __future__ import annotations
 
 import ast
+import concurrent.futures as cf
 import math
 import threading
 import time
@@ -68,7 +72,7 @@ def test_the_scan_finds_what_it_looks_for():
 
 # ----------------------------------------------------------------------------- PendingCopies
 def test_async_copy_lands_only_after_wait():
-    with fake_accelerator(delay_s=0.05) as fake:
+    with fake_accelerator() as fake:
         host = accel.pinned_empty(4 * 4, torch.float32)
         copies = accel.PendingCopies()
         copies.copy(host, torch.arange(4.0))
@@ -81,7 +85,7 @@ def test_async_copy_lands_only_after_wait():
 
 
 def test_copy_is_synchronous_when_the_host_side_is_pageable_or_both_sides_are_alike():
-    with fake_accelerator(delay_s=0.05) as fake:
+    with fake_accelerator() as fake:
         copies = accel.PendingCopies()
         pageable = torch.empty(4)
         copies.copy(pageable, torch.arange(4.0))  # "device" -> pageable host
@@ -90,6 +94,86 @@ def test_copy_is_synchronous_when_the_host_side_is_pageable_or_both_sides_are_al
         copies.copy(a, b)  # host -> host
         assert copies.pending == 0 and fake.async_copies == 0
         assert torch.equal(pageable, torch.arange(4.0)) and torch.equal(a, torch.ones(4))
+
+
+def _in_a_fresh_thread(fn):
+    """``fn()`` on a thread of its own, which (as any thread torch or hf_zero starts) has not
+    selected a device: its current device is 0."""
+    with cf.ThreadPoolExecutor(1) as pool:
+        return pool.submit(fn).result()
+
+
+@pytest.mark.parametrize("direction", ["host_to_device", "device_to_host"])
+def test_copies_are_waited_for_on_the_datas_device_from_any_thread(direction):
+    """Review F3: the copy-back thread waited on its own current device (device 0 on every rank)
+    for copies to the rank's device. PendingCopies records each copy's event on the device of the
+    data it copies; under the fake, rank 1's copies run on device 1's stream and a wait on device
+    0 lands nothing. Mutation checked: with ``record_event(current_device())`` in
+    ``PendingCopies.copy`` (device.py, the old bug's shape) both directions fail here (NaN)."""
+    with fake_accelerator(count=2) as fake:
+        accel.select_device(1)  # rank 1: its tensors live on device 1
+        values = torch.arange(4.0)
+        if direction == "host_to_device":
+            dst, src = torch.zeros(4), accel.pin(values)  # a parameter shard <- a pinned master
+        else:
+            dst, src = accel.pinned_empty(16, torch.float32), values.clone()
+
+        def copy_and_wait():
+            assert accel.current_device() == torch.device("cpu", 0)  # not rank 1's device
+            copies = accel.PendingCopies()
+            copies.copy(dst, src)
+            copies.wait()
+            return dst.clone()
+
+        got = _in_a_fresh_thread(copy_and_wait)
+        assert fake.async_copies == 1
+        assert torch.equal(got, values), f"read {got} after the wait: it waited on the wrong device's stream"
+        assert [e for e in fake.events if e[0] == "wait"] == [("wait", torch.device("cpu"))]
+
+
+def test_the_fake_orders_nothing_with_an_event_on_another_device():
+    """Control for the test above: an event recorded on a worker thread's current device (0, not
+    rank 1's) does not wait for rank 1's copy; the host buffer is still poison after the wait."""
+    with fake_accelerator(count=2):
+        accel.select_device(1)
+        host = accel.pinned_empty(16, torch.float32)
+
+        def wrong_wait():
+            accel.runtime().copy(host, torch.arange(4.0), non_blocking=True)
+            event = accel.runtime().record_event(accel.current_device())  # device 0: the thread's
+            accel.runtime().wait_event(event)
+            return host.clone()
+
+        assert accel.current_device() == torch.device("cpu")  # the main thread is on device 1
+        assert _in_a_fresh_thread(accel.current_device) == torch.device("cpu", 0)
+        assert torch.isnan(_in_a_fresh_thread(wrong_wait)).all()
+
+
+@pytest.mark.parametrize("recorded", [False, True])
+def test_the_fake_hands_a_freed_block_out_again_unless_its_stream_was_recorded(recorded):
+    """The fake's caching allocator (review F6): a device-to-host copy issued on a side stream
+    (FSDP2 runs its gradient hooks on its all-reduce stream) from a block that is freed before the
+    copy runs reads someone else's data, unless ``record_stream`` kept the block; on the default
+    stream the block's next user comes after the copy and nothing is lost."""
+    with fake_accelerator() as fake:
+        host = accel.pinned_empty(16, torch.float32)
+        copies = accel.PendingCopies()
+        output = torch.arange(8.0)  # a reduce-scatter output, allocated on another stream
+        with torch.cpu.stream(torch.cpu.Stream()):
+            grad = output[2:6]
+            copies.copy(host, grad)
+            if recorded:
+                accel.record_stream(grad)
+        del output, grad  # FSDP2 drops the output, hf_zero the gradient: the block is free
+        copies.wait()
+        assert fake.reused == (0 if recorded else 1)
+        assert torch.equal(host, torch.arange(2.0, 6.0)) if recorded else torch.isnan(host).all()
+        # The default stream: the same copy from a block freed at once reads right.
+        temporary = torch.arange(4.0)
+        copies.copy(host, temporary)
+        del temporary
+        copies.wait()
+        assert torch.equal(host, torch.arange(4.0)) and fake.reused == (0 if recorded else 1)
 
 
 def test_pinned_storage_cannot_be_resized_under_the_fake():
@@ -116,7 +200,8 @@ def _tiny():
                                         num_attention_heads=2, num_key_value_heads=1))
 
 
-def _config(stage: int, tmp_path: Path, opt: str = "cpu", param: str | None = None) -> dict:
+def _config(stage: int, tmp_path: Path, opt: str = "cpu", param: str | None = None,
+            dtype: str = "fp32") -> dict:
     zo: dict = {"stage": stage, "offload_optimizer": {"device": opt, "pin_memory": True}}
     if opt == "nvme":
         zo["offload_optimizer"]["nvme_path"] = str(tmp_path / "nvme")
@@ -125,7 +210,7 @@ def _config(stage: int, tmp_path: Path, opt: str = "cpu", param: str | None = No
         if param == "nvme":
             zo["offload_param"].update(nvme_path=str(tmp_path / "nvme"), max_in_cpu=1000)
     return {"zero_optimization": zo, "gradient_clipping": 0.05, "train_micro_batch_size_per_gpu": 2,
-            "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}}
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}, "bf16": {"enabled": dtype == "bf16"}}
 
 
 def _train(cfg: dict, steps: int = 3, accumulation: int = 1) -> tuple[list[float], list[float], dict[str, torch.Tensor]]:
@@ -149,22 +234,33 @@ def _train(cfg: dict, steps: int = 3, accumulation: int = 1) -> tuple[list[float
 
 
 CASES = {
-    "stage1-optimizer-cpu": (1, "cpu", None),
-    "stage2-optimizer-cpu": (2, "cpu", None),
-    "stage3-optimizer-and-params-cpu": (3, "cpu", "cpu"),
-    "stage3-params-nvme": (3, "cpu", "nvme"),
+    "stage1-optimizer-cpu": (1, "cpu", None, "fp32"),
+    "stage2-optimizer-cpu": (2, "cpu", None, "fp32"),
+    # 16-bit parameter shards: the fp32 gradients are read from FSDP2's reduce-scatter output
+    "stage2-optimizer-cpu-bf16": (2, "cpu", None, "bf16"),
+    "stage3-optimizer-and-params-cpu": (3, "cpu", "cpu", "fp32"),
+    "stage3-params-nvme": (3, "cpu", "nvme", "fp32"),
 }
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_offload_under_the_fake_accelerator_matches_the_plain_cpu_run(case, tmp_path):
-    stage, opt, param = CASES[case]
+    """As rank 1 of a 2-GPU node (its tensors on device 1; a worker thread that did not select it
+    waits on device 0 and sees poison): equal to the plain CPU run bit for bit, no copy read a
+    reused block, no device-wide synchronize. Mutations checked (F6): without the fp32 path's
+    ``record_stream(local)`` (offload/manager.py) the fp32 stage 2/3 cases and the accumulation
+    test fail, without ``release()``'s ``record_stream(flat)`` the bf16 case fails (poisoned host
+    gradients, NaN norms). (F3's mutation is caught by the PendingCopies test above: hf_zero's own threads select
+    the rank's device, review N4, so here they wait on the right device either way.)"""
+    stage, opt, param, dtype = CASES[case]
     (tmp_path / "nvme").mkdir()
     with accel.use_runtime(NoAccelerator()):  # the CPU reference, on a GPU machine too
-        plain = _train(_config(stage, tmp_path, opt, param))
+        plain = _train(_config(stage, tmp_path, opt, param, dtype))
     with fake_accelerator() as fake:
-        faked = _train(_config(stage, tmp_path, opt, param))
+        accel.select_device(1)
+        faked = _train(_config(stage, tmp_path, opt, param, dtype))
     assert fake.async_copies > 0, "the fake saw no asynchronous copy: the test would prove nothing"
+    assert fake.reused == 0, f"{fake.reused} device-to-host copies read a block the allocator had handed out again"
     assert all(math.isfinite(n) for n in faked[1]), f"gradient norms {faked[1]}: host gradients read before they landed"
     assert faked[0] == plain[0] and faked[1] == plain[1]
     for name, value in plain[2].items():
@@ -219,8 +315,9 @@ def test_accumulated_micro_steps_under_the_fake_match_the_plain_cpu_run(stage, t
     monkeypatch.setattr(OffloadedOptimizer, "accumulate_grad", traced_accumulate)
     monkeypatch.setattr(accel.PendingCopies, "wait", traced_wait)
     with fake_accelerator() as fake:
+        accel.select_device(1)  # rank 1: the accumulation worker (device 0) waits on device 1's copies
         faked = _train(cfg, steps=2, accumulation=3)
-    assert fake.async_copies > 0
+    assert fake.async_copies > 0 and fake.reused == 0
     assert not waits_in_backward, f"the backward waited for {sum(waits_in_backward)} copies in flight"
     assert staged and staged[-1] > 0, "no gradient went through the staging blocks: the test would prove nothing"
     assert faked[0] == plain[0] and faked[1] == plain[1]
@@ -228,10 +325,21 @@ def test_accumulated_micro_steps_under_the_fake_match_the_plain_cpu_run(stage, t
         assert torch.equal(faked[2][name], value), name
 
 
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_the_fake_catches_a_gradient_block_reused_before_its_copy_landed(dtype, tmp_path, monkeypatch):
+    """Control for review F6: without ``record_stream`` (offload/manager.py: the fp32 gradient
+    view, and the reduce-scatter output of 16-bit shards) the allocator hands FSDP2's gradient
+    blocks out again while their copies to the host are queued, and the host gradients are poison."""
+    monkeypatch.setattr(accel, "record_stream", lambda t: None)
+    with fake_accelerator() as fake:
+        _, norms, _ = _train(_config(2, tmp_path, dtype=dtype), steps=1)
+    assert fake.reused > 0 and not math.isfinite(norms[0])
+
+
 def test_the_fake_catches_an_add_before_its_copy_landed(tmp_path, monkeypatch):
     """Control for the test above: an add that does not wait for its staging copy adds poison."""
     monkeypatch.setattr(accel.PendingCopies, "wait", lambda self: None)
-    with fake_accelerator(delay_s=0.01):
+    with fake_accelerator():
         _, norms, _ = _train(_config(2, tmp_path), steps=1, accumulation=2)
     assert not math.isfinite(norms[0])
 
@@ -240,7 +348,7 @@ def test_the_fake_catches_a_read_before_the_copies_landed(tmp_path, monkeypatch)
     """Control: with the waits removed (what the code did before the device layer, where the
     norm and clipping ran before the step's synchronize), the poisoned gradients show."""
     monkeypatch.setattr(accel.PendingCopies, "wait", lambda self: None)
-    with fake_accelerator(delay_s=0.01) as fake:
+    with fake_accelerator() as fake:
         _, norms, _ = _train(_config(2, tmp_path), steps=1)
         assert fake.async_copies > 0
     assert not math.isfinite(norms[0])
