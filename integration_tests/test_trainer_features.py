@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,16 +18,24 @@ pytestmark = pytest.mark.slow
 WORKER = "integration_tests/scripts/zero_trainer_worker.py"
 
 
-def torchrun(*args: str):
-    return run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", WORKER, *args])
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> Path:
+    """Every scenario in one 2-rank launch (it used to be one launch each: 6 interpreter starts and
+    imports for 6 tiny runs); each writes ``<scenario>-s<stage>/``. ``save_fails`` goes last: it
+    breaks rank 0's model writer for the rest of the process."""
+    root = tmp_path_factory.mktemp("zero_trainer")
+    scenarios = ["lora:0", "lora:1", "lora:2", "lora:3", "moe:3", "save_fails:3"]
+    run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", WORKER, str(root),
+         *scenarios])
+    return root
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
-def test_lora_gradient_checkpointing_eval_predict_generate(stage, tmp_path):
+def test_lora_gradient_checkpointing_eval_predict_generate(stage, runs):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    torchrun("lora", str(stage), str(tmp_path))
+    tmp_path = runs / f"lora-s{stage}"
     result = json.loads((tmp_path / "result.json").read_text())
     assert result["world_size"] == 2
     assert len(result["losses"]) == 3 and all(math.isfinite(x) for x in result["losses"])
@@ -50,15 +59,14 @@ def test_lora_gradient_checkpointing_eval_predict_generate(stage, tmp_path):
     assert any(float(v.abs().sum()) > 0 for k, v in loaded_sd.items() if "lora_B" in k)  # it trained
 
 
-def test_moe_blocks_train_under_stage_3(tmp_path):
-    torchrun("moe", "3", str(tmp_path))
-    result = json.loads((tmp_path / "result.json").read_text())
+def test_moe_blocks_train_under_stage_3(runs):
+    result = json.loads((runs / "moe-s3" / "result.json").read_text())
     assert len(result["losses"]) == 3 and all(math.isfinite(x) for x in result["losses"])
     assert all(math.isfinite(g) and g > 0 for g in result["grad_norms"])
 
 
-def test_model_write_failing_on_rank_0_raises_on_every_rank(tmp_path):
-    torchrun("save_fails", "3", str(tmp_path))
+def test_model_write_failing_on_rank_0_raises_on_every_rank(runs):
+    tmp_path = runs / "save_fails-s3"
     errors = json.loads((tmp_path / "result.json").read_text())["save_errors"]
     assert "No space left on device" in errors[0]
     assert errors[1] is not None and "rank 0" in errors[1] and "No space left" in errors[1]
