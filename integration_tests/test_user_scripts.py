@@ -21,12 +21,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import sys
 
 import pytest
 import torch
 import transformers
 
-from _run import REPO, hf_zero_run, logged_losses, python_script, write_config, zero_config
+from _run import REPO, hf_zero_run, logged_losses, python_script, run, write_config, zero_config
 
 pytestmark = pytest.mark.slow
 
@@ -34,6 +35,7 @@ QWEN = "integration_tests/scripts/qwen_style_lora.py"
 FASTCHAT = "integration_tests/scripts/fastchat_style_full.py"
 ALPACA = "integration_tests/scripts/alpaca_style_full.py"
 PLAIN = "integration_tests/scripts/plain_transformers4.py"
+RUN_SEVERAL = "integration_tests/scripts/run_several.py"
 TINY = REPO / "assets" / "tiny-qwen2"
 
 COMMON = ["--max_steps", "3", "--logging_steps", "1", "--report_to", "none", "--save_strategy", "no",
@@ -73,8 +75,20 @@ def _same_losses(out, reference):
 
 
 @pytest.fixture(scope="module")
-def qwen_reference(tmp_path_factory):
-    return _plain_run(tmp_path_factory, QWEN, QWEN_ARGS)
+def qwen_references(tmp_path_factory):
+    """DDP references (the plain Trainer under torchrun, 2 ranks x 2 sequences, transformers-4 surface
+    from plain_transformers4.py) of the Qwen-style script on a base model and on a chat model, in one
+    launch: {"base"|"chat": (output dir, the launch's stdout)}."""
+    root = tmp_path_factory.mktemp("qwen_ddp")
+    chat = root / "tiny-qwen2-chat"  # Qwen's is_chat_model: "chat" in the model path
+    chat.symlink_to(TINY, target_is_directory=True)
+    runs = []
+    for name, model in (("base", TINY), ("chat", chat)):
+        runs += ["+++", name, PLAIN, QWEN, "--model_name_or_path", str(model), "--output_dir", str(root / name),
+                 "--per_device_train_batch_size", "2", "--use_cpu", "True", *V5_FLAGS, *COMMON, *QWEN_ARGS]
+    proc = run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                str(RUN_SEVERAL), str(root / "logs"), "--exit-now", *runs])
+    return {"base": (root / "base", proc.stdout), "chat": (root / "chat", proc.stdout)}
 
 
 @pytest.fixture(scope="module")
@@ -83,17 +97,24 @@ def fastchat_reference(tmp_path_factory):
 
 
 @pytest.mark.parametrize("stage", [2, 3])
-def test_qwen_style_lora_script(stage, qwen_reference, tmp_path):
+def test_qwen_style_lora_script(stage, qwen_references, tmp_path):
+    """Qwen's LoRA recipe at ZeRO-2 (finetune_lora_ds.sh, base model) and at ZeRO-3 (a chat model,
+    which Qwen's check lets through): the script gets DeepSpeed's is_deepspeed_zero3_enabled()
+    (false at stage 2: it refused to start with "ZeRO3 is incompatible with LoRA" when hf_zero
+    answered true), trains as DDP does, and saves whole tensors on either branch."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    reference, reference_log = qwen_reference
-    out, log = _hf_zero_run(tmp_path, stage, QWEN, QWEN_ARGS)
-    # The script's branch: hf_zero shards parameters at stages 2 and 3, so it gathers; the plain run does not.
-    assert "zero3: True" in log and "zero3: False" in reference_log
+    kind = "base" if stage == 2 else "chat"
+    reference, reference_log = qwen_references[kind]
+    model = TINY if kind == "base" else reference.parent / "tiny-qwen2-chat"
+    out, log = _hf_zero_run(tmp_path, stage, QWEN, [*QWEN_ARGS, "--model_name_or_path", str(model)])
+    # DeepSpeed's answer for the stage asked for; the DDP reference gets false.
+    assert f"zero3: {stage == 3}" in log and "zero3: False" in reference_log and "zero3: True" not in reference_log
     _same_losses(out, reference)
 
-    # 1. The adapter the script saved with trainer._save(dir, state_dict=consolidated) on local_rank 0.
+    # 1. The adapter the script saved with trainer._save(dir, state_dict) on local_rank 0: at stage 2
+    # the LoRA state read parameter by parameter (maybe_zero_3), at stage 3 the consolidated state.
     def adapter(path):
         model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(TINY), path)
         return {k: v.detach() for k, v in model.named_parameters() if "lora_" in k}
@@ -102,7 +123,7 @@ def test_qwen_style_lora_script(stage, qwen_reference, tmp_path):
     assert got.keys() == expected.keys() and len(got) == 8
     for key in expected:
         torch.testing.assert_close(got[key], expected[key], rtol=1e-4, atol=1e-6, msg=key)
-    # 2. The LoRA weights it collected parameter by parameter through zero.GatheredParameters.
+    # 2. The LoRA weights it collected through get_peft_state_maybe_zero_3.
     collected = torch.load(out / "lora_weights.bin", weights_only=True)
     expected_collected = torch.load(reference / "lora_weights.bin", weights_only=True)
     assert collected.keys() == expected_collected.keys()
@@ -110,7 +131,7 @@ def test_qwen_style_lora_script(stage, qwen_reference, tmp_path):
         assert collected[key].shape == expected_collected[key].shape, key  # whole tensors, not shards
         torch.testing.assert_close(collected[key], expected_collected[key], rtol=1e-4, atol=1e-6, msg=key)
     # 3. The edit rank 0 made under GatheredParameters(modifier_rank=0) reached both ranks' shards:
-    # both halves of the scaled LoRA B (rank 0's rows and rank 1's) equal the plain run's.
+    # both halves of the scaled LoRA B (rank 0's rows and rank 1's) equal the reference's.
     scaled = next(k for k in collected if "lora_B" in k)
     assert f"scaled {scaled} by 2.0" in log and f"scaled {scaled} by 2.0" in reference_log
     half = collected[scaled].shape[0] // 2

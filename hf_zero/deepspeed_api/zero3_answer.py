@@ -8,11 +8,17 @@ the model when the Trainer builds its engine, after all of that construction cod
 libraries' plain paths are the right ones, except for ``generate()``, which must keep every rank
 stepping while any rank still generates (:data:`CALLER_RULES`).
 
-"Sharded" means ZeRO stage 2 or 3: hf_zero's stage 2 is FSDP2 with ``reshard_after_forward=False``,
-so between steps its parameters are shards too (DeepSpeed's stage 2 keeps them whole), and a
-script's ``model.state_dict()`` there would be shards. The stage comes from the zero config of
-the latest ``TrainingArguments`` built with one (as transformers keeps the DeepSpeed config of the
-latest arguments), else from ``--zero_config``/``--deepspeed`` on the command line.
+A script gets DeepSpeed's answer for the stage it asked for: true at stage 3 only. Scripts branch
+on it (Qwen's LoRA recipe refuses to start at ZeRO-3 on a base model; its stage-2 branch reads the
+parameters one by one), so answering true at stage 2 sent them down the wrong road. That hf_zero's
+stage 2 also shards parameters between steps (FSDP2 with ``reshard_after_forward=False``) is an
+internal matter, decided elsewhere and not by this answer: ``generate()`` must keep every rank
+stepping at stages 2 and 3 (the ``sharded`` rules below); a script's ``model.state_dict()`` is
+gathered onto rank 0 (``integration/script_state_dict.py``); and sharded parameters carry
+``ds_id``, so the ``maybe_zero_3`` reads of the stage-2 branch gather them through
+``zero.GatheredParameters``. The stage comes from the zero config of the latest
+``TrainingArguments`` built with one (as transformers keeps the DeepSpeed config of the latest
+arguments), else from ``--zero_config``/``--deepspeed`` on the command line.
 
 :data:`LIBRARY_BRANCHES` is the survey of the installed libraries' DeepSpeed branches and what
 each does under hf_zero; ``docs/deepspeed_compat.md`` renders both tables.
@@ -32,6 +38,7 @@ __all__ = [
     "is_deepspeed_zero3_enabled",
     "parameters_sharded",
     "rule_for",
+    "zero_stage",
 ]
 
 
@@ -42,7 +49,8 @@ class CallerRule:
     pattern: str
     """``fnmatch`` pattern on the calling module's ``__name__``."""
     answer: str
-    """``sharded`` (true at stages 2 and 3) or ``false``."""
+    """``stage 3`` (DeepSpeed's answer: true at stage 3), ``sharded`` (true at stages 2 and 3: the
+    parameters are shards between steps) or ``false``."""
     why: str
 
 
@@ -62,7 +70,9 @@ CALLER_RULES: tuple[CallerRule, ...] = (
     CallerRule("accelerate.*", "false", "accelerate decides on its own DeepSpeed plugin, which hf_zero never creates"),
     CallerRule("trl.*", "false", "TRL's branch wraps models with deepspeed.initialize"),
     CallerRule("hf_zero.*", "false", "hf_zero never asks; listed so that its own code gets transformers' answer"),
-    CallerRule("*", "sharded", "a script (or the user's own module): it gathers and saves what hf_zero sharded"),
+    CallerRule("*", "stage 3", "a script (or the user's own module): DeepSpeed's answer for the stage it asked for. "
+               "At stage 2 its branch for whole parameters still gets whole tensors: `model.state_dict()` is "
+               "gathered onto rank 0, and parameters carry `ds_id`, so `maybe_zero_3`-style reads gather them"),
 )
 
 
@@ -74,14 +84,21 @@ def rule_for(module_name: str) -> CallerRule:
     raise AssertionError("CALLER_RULES ends with '*'")  # pragma: no cover
 
 
-def parameters_sharded() -> bool:
-    """True when the run's zero config has stage 2 or 3 (the parameters are, or will be, sharded)."""
+def zero_stage() -> int | None:
+    """The ZeRO stage of the run's zero config (the latest arguments', else the command line's);
+    None without one."""
     from hf_zero.integration.arguments import latest_zero_config
 
     config = latest_zero_config()
     if config is None:
         config = _command_line_config()
-    return config is not None and int(config.stage) >= 2
+    return None if config is None else int(config.stage)
+
+
+def parameters_sharded() -> bool:
+    """True when the run's zero config has stage 2 or 3 (the parameters are, or will be, sharded)."""
+    stage = zero_stage()
+    return stage is not None and stage >= 2
 
 
 def _command_line_config():
@@ -102,15 +119,18 @@ def _command_line_config():
 
 def is_deepspeed_zero3_enabled() -> bool:
     """hf_zero's ``transformers.integrations.deepspeed.is_deepspeed_zero3_enabled``: for a
-    script, whether the parameters are sharded (stage 2 or 3); for library code, the answer of
-    :data:`CALLER_RULES` (false except around ``generate()``)."""
+    script, DeepSpeed's answer (ZeRO stage 3); for library code, the answer of
+    :data:`CALLER_RULES` (false, except around ``generate()``: whether the parameters are sharded)."""
     try:
         caller = sys._getframe(1).f_globals.get("__name__", "") or ""
     except ValueError:  # called from the interpreter's top frame
         caller = ""
-    if rule_for(caller).answer == "false":
+    answer = rule_for(caller).answer
+    if answer == "false":
         return False
-    return parameters_sharded()
+    if answer == "sharded":
+        return parameters_sharded()
+    return zero_stage() == 3
 
 
 # ----------------------------------------------------------------------------------------- survey

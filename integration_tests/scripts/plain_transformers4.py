@@ -7,7 +7,8 @@ It gives the script what transformers 4 with DeepSpeed installed gave it in a ru
 sharded, written here independently of hf_zero (nothing is imported from it):
 
 - ``Trainer(tokenizer=...)`` becomes ``processing_class``; ``TrainingArguments.local_rank`` is the
-  local process index (``_setup_devices`` in transformers 4);
+  local process index (``_setup_devices`` in transformers 4); ``transformers.deepspeed`` (Qwen's
+  ``from transformers import deepspeed``) is ``transformers.integrations.deepspeed``, as up to 4.45;
 - a ``deepspeed`` module with what the scripts import: ``zero.GatheredParameters`` does nothing
   (DeepSpeed's does nothing for parameters without ``ds_id``, and here none has one),
   ``ZeroParamStatus``, and ``comm.get_rank``/``comm.barrier`` over torch.distributed;
@@ -58,6 +59,10 @@ def _fake_deepspeed() -> None:
 
 
 def _transformers4_surface() -> None:
+    import transformers.integrations.deepspeed as integration
+
+    sys.modules["transformers.deepspeed"] = integration
+    transformers.deepspeed = integration
     trainer_init = transformers.Trainer.__init__
 
     def init(self, *args, tokenizer=None, **kwargs):

@@ -1,13 +1,20 @@
-# A LoRA fine-tuning script in the shape of the transformers-4 / DeepSpeed era (Qwen's and LLaVA's
-# finetune.py), written for hf_zero's tests. It talks to DeepSpeed directly, as those scripts do:
-#   - `from deepspeed import zero`, `ZeroParamStatus`, `hasattr(param, "ds_id")`,
-#     `zero.GatheredParameters` to collect LoRA weights, `deepspeed.comm` for ranks and barriers;
-#   - `transformers.integrations.deepspeed.is_deepspeed_zero3_enabled()` to choose the save path, and
-#     `trainer.model_wrapped._zero3_consolidated_16bit_state_dict()` on that path;
-#   - saves only `if training_args.local_rank == 0`;
+# A LoRA fine-tuning script in the shape of Qwen's finetune.py (QwenLM/Qwen, run by
+# finetune/finetune_lora_ds.sh with ZeRO-2) and LLaVA's, written for hf_zero's tests. It follows
+# Qwen's code where it matters and talks to DeepSpeed directly, as those scripts do:
+#   - `from transformers import deepspeed` (the transformers-4 module) and
+#     `deepspeed.is_deepspeed_zero3_enabled()`: at ZeRO-3 on a base model (no "chat" in the model
+#     path) it refuses to start ("ZeRO3 is incompatible with LoRA when finetuning on base model"),
+#     loads with `low_cpu_mem_usage=not zero3`, and picks the save path with it;
+#   - Qwen also trains the embeddings and LM head of a base model (`modules_to_save=["wte",
+#     "lm_head"]`); left out here: with the peft installed for these tests (0.21), Qwen's LoRA-only
+#     state dict then fails in peft's save_pretrained (KeyError 'modules_to_save.default.weight'),
+#     on the plain DDP run too;
+#   - `from deepspeed import zero`, `ZeroParamStatus`, `hasattr(param, "ds_id")`:
+#     `get_peft_state_maybe_zero_3` reads each LoRA parameter through `maybe_zero_3`;
+#   - `safe_save_model_for_hf_trainer`: `_zero3_consolidated_16bit_state_dict()` at ZeRO-3, the
+#     LoRA state otherwise, then `trainer._save(dir, state_dict)` on `local_rank == 0`;
 #   - launch lines with transformers-4 flags (--evaluation_strategy, --warmup_ratio).
-# It saves the adapter twice, the two ways such scripts do: through `trainer._save(dir, state_dict)`
-# (into --output_dir) and as `lora_weights.bin` collected parameter by parameter.
+# It also saves the LoRA weights it collects as `lora_weights.bin`, and
 # `--post_train_scale_lora_b F` multiplies one LoRA weight by F on rank 0 inside
 # `zero.GatheredParameters(..., modifier_rank=0)` after training: every rank's shard must get the edit.
 
@@ -18,15 +25,15 @@ from dataclasses import dataclass, field
 import torch
 import transformers
 from torch.utils.data import Dataset
-from transformers import Trainer
-from transformers.integrations import deepspeed as hf_deepspeed
+from transformers import Trainer, deepspeed
+from transformers.trainer_pt_utils import LabelSmoother
 
-import deepspeed
+import deepspeed as ds
 from deepspeed import zero
 from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 from peft import LoraConfig, get_peft_model
 
-IGNORE_INDEX = -100
+IGNORE_INDEX = LabelSmoother.ignore_index
 
 
 @dataclass
@@ -64,29 +71,38 @@ def rank0_print(*args):
         print(*args, flush=True)
 
 
-def fetch_param(param):
-    """A CPU copy of a parameter, gathered first when ZeRO-3 partitioned it."""
+def maybe_zero_3(param):
     if hasattr(param, "ds_id"):
-        if param.ds_status != ZeroParamStatus.NOT_AVAILABLE:
-            raise RuntimeError(f"unexpected ds_status {param.ds_status}")
+        assert param.ds_status == ZeroParamStatus.NOT_AVAILABLE
         with zero.GatheredParameters([param]):
-            return param.data.detach().cpu().clone()
-    return param.detach().cpu().clone()
-
-
-def lora_state(named_params, bias):
-    if bias != "none":
-        raise NotImplementedError(bias)
-    return {name: fetch_param(p) for name, p in named_params if "lora_" in name}
-
-
-def save_for_hf(trainer, output_dir, bias):
-    if hf_deepspeed.is_deepspeed_zero3_enabled():
-        state_dict = trainer.model_wrapped._zero3_consolidated_16bit_state_dict()
-    elif trainer.args.use_lora:
-        state_dict = lora_state(trainer.model.named_parameters(), bias)
+            param = param.data.detach().cpu().clone()
     else:
-        state_dict = trainer.model.state_dict()
+        param = param.detach().cpu().clone()
+    return param
+
+
+# Borrowed from peft.utils.get_peft_model_state_dict (as Qwen's)
+def get_peft_state_maybe_zero_3(named_params, bias):
+    if bias == "none":
+        to_return = {k: t for k, t in named_params if "lora_" in k}
+    elif bias == "all":
+        to_return = {k: t for k, t in named_params if "lora_" in k or "bias" in k}
+    else:
+        raise NotImplementedError
+    to_return = {k: maybe_zero_3(v) for k, v in to_return.items()}
+    return to_return
+
+
+def safe_save_model_for_hf_trainer(trainer: transformers.Trainer, output_dir: str, bias="none"):
+    """Collects the state dict and dump to disk."""
+    # check if zero3 mode enabled
+    if deepspeed.is_deepspeed_zero3_enabled():
+        state_dict = trainer.model_wrapped._zero3_consolidated_16bit_state_dict()
+    else:
+        if trainer.args.use_lora:
+            state_dict = get_peft_state_maybe_zero_3(trainer.model.named_parameters(), bias)
+        else:
+            state_dict = trainer.model.state_dict()
     if trainer.args.should_save and trainer.args.local_rank == 0:
         trainer._save(output_dir, state_dict=state_dict)
 
@@ -128,7 +144,12 @@ def train():
     local_rank = training_args.local_rank
     transformers.set_seed(training_args.seed)  # the adapter's random initialisation too
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_args.model_name_or_path)
+    is_chat_model = "chat" in model_args.model_name_or_path.lower()
+    if training_args.use_lora and deepspeed.is_deepspeed_zero3_enabled() and not is_chat_model:
+        raise RuntimeError("ZeRO3 is incompatible with LoRA when finetuning on base model.")
+    model_load_kwargs = {"low_cpu_mem_usage": not deepspeed.is_deepspeed_zero3_enabled()}
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_args.model_name_or_path, **model_load_kwargs)
     tokenizer = transformers.AutoTokenizer.from_pretrained(model_args.model_name_or_path, padding_side="right")
     if training_args.use_lora:
         config = LoraConfig(r=lora_args.lora_r, lora_alpha=lora_args.lora_alpha,
@@ -148,16 +169,16 @@ def train():
     if training_args.post_train_scale_lora_b != 1.0:
         name, param = next((n, p) for n, p in trainer.model.named_parameters() if "lora_B" in n)
         with zero.GatheredParameters([param], modifier_rank=0):
-            if deepspeed.comm.get_rank() == 0:
+            if ds.comm.get_rank() == 0:
                 param.data.mul_(training_args.post_train_scale_lora_b)
         rank0_print(f"scaled {name} by {training_args.post_train_scale_lora_b}")
 
-    save_for_hf(trainer, training_args.output_dir, lora_args.lora_bias)
-    collected = lora_state(trainer.model.named_parameters(), lora_args.lora_bias)
+    safe_save_model_for_hf_trainer(trainer=trainer, output_dir=training_args.output_dir, bias=lora_args.lora_bias)
+    collected = get_peft_state_maybe_zero_3(trainer.model.named_parameters(), lora_args.lora_bias)
     if local_rank == 0:
         torch.save(collected, os.path.join(training_args.output_dir, "lora_weights.bin"))
-    deepspeed.comm.barrier()
-    rank0_print("zero3:", hf_deepspeed.is_deepspeed_zero3_enabled())
+    ds.comm.barrier()
+    rank0_print("zero3:", deepspeed.is_deepspeed_zero3_enabled())
 
 
 if __name__ == "__main__":

@@ -366,12 +366,15 @@ def _ask_as(module_name: str) -> bool:
     return scope["result"]
 
 
-@pytest.mark.parametrize("stage, sharded", [(1, False), (2, True), (3, True)])
-def test_zero3_answer_by_caller(api, tmp_path, stage, sharded):
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_zero3_answer_by_caller(api, tmp_path, stage):
     args = _zero_args(tmp_path, stage)  # noqa: F841  (kept alive: the answer follows the latest arguments)
-    assert _ask_as("__main__") is sharded
-    assert _ask_as("my_project.train") is sharded
-    assert _ask_as("transformers.generation.utils") is sharded  # generate(): synced_gpus
+    # A script gets DeepSpeed's answer for the stage it asked for: true at stage 3 only (at stage 2
+    # Qwen's LoRA recipe refused to start: "ZeRO3 is incompatible with LoRA").
+    assert _ask_as("__main__") is (stage == 3)
+    assert _ask_as("my_project.train") is (stage == 3)
+    # generate() keeps every rank stepping whenever hf_zero shards the parameters (stages 2 and 3).
+    assert _ask_as("transformers.generation.utils") is (stage >= 2)
     assert _ask_as("transformers.modeling_utils") is False  # from_pretrained's zero.Init path stays off
     assert _ask_as("accelerate.accelerator") is False
     from peft.utils.integrations import check_deepspeed_zero3_enabled
