@@ -52,15 +52,16 @@ def see_memory_usage(message: str, force: bool = False) -> None:
     it), then reset the accelerator's peak counter, as DeepSpeed does."""
     if not force or _rank() > 0:
         return
-    import torch
+    from hf_zero.distributed import device as accel
 
     gib = 2**30
     logger.info(message)
-    if torch.cuda.is_available():
+    stats = accel.memory_stats()
+    if stats is not None:
         logger.info(
-            f"MA {torch.cuda.memory_allocated() / gib:.2f} GB  Max_MA {torch.cuda.max_memory_allocated() / gib:.2f} GB  "
-            f"CA {torch.cuda.memory_reserved() / gib:.2f} GB  Max_CA {torch.cuda.max_memory_reserved() / gib:.2f} GB")
-        torch.cuda.reset_peak_memory_stats()
+            f"MA {stats['allocated'] / gib:.2f} GB  Max_MA {stats['max_allocated'] / gib:.2f} GB  "
+            f"CA {stats['reserved'] / gib:.2f} GB  Max_CA {stats['max_reserved'] / gib:.2f} GB")
+        accel.reset_peak_memory_stats()
     try:
         import psutil
     except ImportError:  # accelerate depends on it; only a stripped install lacks it

@@ -46,15 +46,18 @@ __all__ = [
     "device_count",
     "device_name",
     "device_properties",
+    "empty_cache",
     "get_rng_state",
     "is_accelerator",
     "max_memory_allocated",
+    "memory_stats",
     "native_pinning",
     "nccl_version",
     "pin",
     "pin_available",
     "pinned_empty",
     "record_stream",
+    "reset_peak_memory_stats",
     "runtime",
     "select_device",
     "set_rng_state",
@@ -150,6 +153,16 @@ class CudaRuntime:
 
     def max_memory_allocated(self) -> int:
         return torch.cuda.max_memory_allocated()
+
+    def memory_stats(self) -> dict[str, int]:
+        return {"allocated": torch.cuda.memory_allocated(), "max_allocated": torch.cuda.max_memory_allocated(),
+                "reserved": torch.cuda.memory_reserved(), "max_reserved": torch.cuda.max_memory_reserved()}
+
+    def reset_peak_memory_stats(self) -> None:
+        torch.cuda.reset_peak_memory_stats()
+
+    def empty_cache(self) -> None:
+        torch.cuda.empty_cache()
 
     def can_access_peer(self, i: int, j: int) -> bool:
         return torch.cuda.can_device_access_peer(i, j)
@@ -389,3 +402,21 @@ def nccl_version() -> str:
 def max_memory_allocated() -> int | None:
     """Peak bytes the caching allocator handed out on the current accelerator (None without one)."""
     return _runtime.max_memory_allocated() if _runtime.available() else None
+
+
+def memory_stats() -> dict[str, int] | None:
+    """Bytes of the caching allocator on the current accelerator: ``allocated``, ``max_allocated``,
+    ``reserved``, ``max_reserved`` (None without one). For scripts' memory reports (the DeepSpeed API)."""
+    return _runtime.memory_stats() if _runtime.available() else None
+
+
+def reset_peak_memory_stats() -> None:
+    """Restart the peak counters of the current accelerator (nothing without one)."""
+    if _runtime.available():
+        _runtime.reset_peak_memory_stats()
+
+
+def empty_cache() -> None:
+    """Give the caching allocator's unused blocks back to the driver (nothing without an accelerator)."""
+    if _runtime.available():
+        _runtime.empty_cache()

@@ -196,6 +196,8 @@ def test_get_accelerator_answers_for_the_device_torch_sees(api):
     assert torch.equal(drawn, torch.rand(3, device=acc.device_name()))
     acc.synchronize()
     acc.empty_cache()
+    if not cuda:  # the memory is the host's: DeepSpeed's accelerator figures are the device's
+        assert acc.memory_allocated() == acc.max_memory_reserved() == 0
     with pytest.raises(AttributeError, match=r"get_accelerator\(\)\.create_graph.*torch"):
         acc.create_graph()
 
