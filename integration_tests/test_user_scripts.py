@@ -1,20 +1,26 @@
 """Scripts written for transformers 4 and DeepSpeed, unmodified, through ``hf-zero run`` on 2 ranks.
 
-Two scripts in the shapes users bring (integration_tests/scripts/):
+Three scripts in the shapes users bring (integration_tests/scripts/):
 
-- ``qwen_style_lora.py``: HfArgumentParser with transformers-4 flags, ``local_rank == 0`` saves,
-  ``from deepspeed import zero``, ``ZeroParamStatus``/``ds_id``, LoRA via peft, LoRA weights
-  collected with ``zero.GatheredParameters``, ``is_deepspeed_zero3_enabled()`` choosing
-  ``trainer.model_wrapped._zero3_consolidated_16bit_state_dict()``, and one edit made on rank 0
-  inside ``zero.GatheredParameters(..., modifier_rank=0)`` that must reach rank 1's shard;
+- ``qwen_style_lora.py``, following Qwen's ``finetune.py``: HfArgumentParser with transformers-4
+  flags, ``local_rank == 0`` saves, ``from transformers import deepspeed``,
+  ``is_deepspeed_zero3_enabled()`` deciding whether LoRA may run (not at ZeRO-3 on a base model)
+  and the save path (``_zero3_consolidated_16bit_state_dict()`` at ZeRO-3, else
+  ``get_peft_state_maybe_zero_3`` over ``ZeroParamStatus``/``ds_id`` and
+  ``zero.GatheredParameters``), and one edit made on rank 0 inside
+  ``zero.GatheredParameters(..., modifier_rank=0)`` that must reach rank 1's shard. Stage 2 runs it
+  on a base model (Qwen's ZeRO-2 LoRA recipe), stage 3 on a "chat" model;
 - ``fastchat_style_full.py``: ``Trainer(tokenizer=...)`` and the ``trainer.is_deepspeed_enabled``
-  save branch (the other branch is FSDP1's, which raises on current torch).
+  save branch (the other branch is FSDP1's, which raises on current torch);
+- ``alpaca_style_full.py``: ``trainer.model.state_dict()`` on every rank, ``trainer._save`` on the
+  saving rank; at stage 3 with ``offload_param`` cpu and nvme under strict collectives.
 
-Each runs at ZeRO stages 2 and 3 with DeepSpeed-style config files and is compared with the same
-script run plainly (transformers 5, one process, no hf_zero; scripts/plain_transformers4.py gives
-it what transformers 4 with DeepSpeed installed gave such a script), same seed and global batch
-(1 x 4 against 2 x 2): the losses of every step, and the saved weights loaded back with
-``PeftModel.from_pretrained`` / ``from_pretrained``. Four 2-rank launches in all.
+Each is compared with the same script run plainly (transformers 5, no hf_zero;
+scripts/plain_transformers4.py gives it what transformers 4 with DeepSpeed installed gave such a
+script), same seed and global batch: for the Qwen script the plain Trainer under torchrun (DDP,
+2 x 2, both models in one launch), for the others one process (1 x 4); the losses of every step,
+and the saved weights loaded back with ``PeftModel.from_pretrained`` / ``from_pretrained``.
+Seven 2-rank launches and three references in all.
 """
 
 from __future__ import annotations
