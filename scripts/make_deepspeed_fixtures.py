@@ -7,7 +7,7 @@ dependency of hf_zero)::
 
 For each case (ZeRO stage x dtype) it trains a tiny GPT-2 (hidden 9, vocabulary 37, MLP 21: odd
 sizes, so DeepSpeed pads its flat buffers and ZeRO-3's per-rank pieces) for 4 steps on 2 CPU ranks
-with gloo, under transformers' ``Trainer`` with ``deepspeed=ds.json`` and ``save_steps=2``, exactly
+with gloo (in bf16 with the position embedding frozen), under transformers' ``Trainer`` with ``deepspeed=ds.json`` and ``save_steps=2``, exactly
 as a user's ``--deepspeed`` run does. It keeps ``checkpoint-2/`` and runs DeepSpeed's own
 ``deepspeed.utils.zero_to_fp32`` on it (``convert_zero_checkpoint_to_fp32_state_dict``) into
 ``<case>/zero_to_fp32/pytorch_model.bin`` (its torch.save output: its safetensors output refuses the
@@ -102,6 +102,8 @@ def worker(case: str, out_dir: str) -> None:
 
     torch.manual_seed(0)
     model = GPT2LMHeadModel(GPT2Config(**MODEL_CONFIG))
+    if dtype == "bf16":  # a frozen parameter: DeepSpeed keeps it in the model-states files (frozen_param_*)
+        model.transformer.wpe.weight.requires_grad_(False)
     g = torch.Generator().manual_seed(11)
     ids = torch.randint(3, MODEL_CONFIG["vocab_size"], (STEPS * WORLD * 2, SEQ), generator=g)
     data = [{"input_ids": row, "labels": row} for row in ids]  # a list is a map-style dataset
