@@ -8,6 +8,10 @@ about one output shard, ``max_shard_size``), casts them, and writes ``model.safe
 config, tokenizer and remote-code files found in the checkpoint directory are copied, so the output
 is a complete model directory. A checkpoint of a peft model consolidates to its adapter
 (``adapter_model.safetensors`` + ``adapter_config.json``).
+
+A DeepSpeed ZeRO checkpoint (a Trainer ``checkpoint-N`` with ``latest`` and ``global_stepN/``)
+consolidates too, read by :mod:`hf_zero.checkpoint.deepspeed_files` (restricted unpickling, one
+rank's file at a time): the tensors, names and values of DeepSpeed's ``zero_to_fp32.py``.
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ from hf_zero.checkpoint.pretrained_files import (
     write_safetensors,
 )
 from hf_zero.checkpoint.safe_load import SafeFileSystemReader, load_state_dict
-from hf_zero.checkpoint.sharded import CheckpointError, read_marker, resolve_checkpoint_dir
+from hf_zero.checkpoint.sharded import MARKER_NAME, CheckpointError, read_marker, resolve_checkpoint_dir
 
 __all__ = ["consolidate_checkpoint", "COPIED_FILE_PATTERNS"]
 
@@ -90,10 +94,15 @@ def consolidate_checkpoint(
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
     from tqdm.auto import tqdm
 
+    from hf_zero.checkpoint.deepspeed_files.layout import find_deepspeed_checkpoint
+
     given = os.path.abspath(os.fspath(checkpoint_dir))
-    src = resolve_checkpoint_dir(given)
     out = os.path.abspath(os.fspath(output_dir))
     target = resolve_dtype(dtype)
+    deepspeed = find_deepspeed_checkpoint(given) if os.path.isdir(given) and not _is_hf_zero_checkpoint(given) else None
+    if deepspeed is not None:
+        return _consolidate_deepspeed(deepspeed, out, target, max_shard_size, progress)
+    src = resolve_checkpoint_dir(given)
     info = read_marker(src)
     if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
         raise FileExistsError(f"output directory {out} exists and is not empty; choose a new one")
@@ -168,6 +177,64 @@ def consolidate_checkpoint(
             written.append(WEIGHTS_INDEX_NAME)
         # The checkpoint's own config first, then the tokenizer etc. of the Trainer folder around it.
         written += _copy_model_files([src, given], tmp, adapter=adapter_keys is not None, dtype=target)
+        if os.path.isdir(out):
+            os.rmdir(out)  # empty (checked above)
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return written
+
+
+def _is_hf_zero_checkpoint(path: str) -> bool:
+    try:
+        resolved = resolve_checkpoint_dir(path)
+    except CheckpointError:
+        return True  # hf_zero's (several of them): its own error follows
+    return any(os.path.isfile(os.path.join(resolved, name)) for name in (MARKER_NAME, ".metadata"))
+
+
+def _consolidate_deepspeed(layout: Any, out: str, target: torch.dtype | None, max_shard_size: int | str,
+                           progress: bool) -> list[str]:
+    """:func:`consolidate_checkpoint` for a DeepSpeed ZeRO checkpoint (a :class:`DeepSpeedLayout`).
+
+    Every tensor of DeepSpeed's ``zero_to_fp32`` output under its name (a shared parameter such as
+    ``lm_head.weight`` written as a copy of the one it shares: safetensors holds no shared tensors),
+    cast to ``target`` if given (non-float buffers keep their dtype), as DeepSpeed's ``dtype`` option.
+    """
+    from tqdm.auto import tqdm
+
+    from hf_zero.checkpoint.deepspeed_files.fp32_weights import DeepSpeedWeights
+
+    if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
+        raise FileExistsError(f"output directory {out} exists and is not empty; choose a new one")
+    weights = DeepSpeedWeights(layout)
+    names = list(weights.entries) + list(weights.aliases)
+    source = {n: weights.aliases.get(n, n) for n in names}
+    entry = {n: weights.entries[source[n]] for n in names}
+
+    def out_dtype(n: str) -> torch.dtype:
+        saved = entry[n].dtype
+        return (target or torch.float32) if saved.is_floating_point else saved
+
+    plan = plan_shards({n: entry[n].numel * out_dtype(n).itemsize for n in names}, max_shard_size,
+                       total_parameters=sum(entry[n].numel for n in weights.entries if weights.entries[n].kind != "buffer"))
+    tmp = make_temp_dir(out)
+    try:
+        bar = tqdm(total=len(names), desc="Consolidating", unit="tensor", disable=not progress)
+        for filename, keys in plan.files.items():
+            read = weights.read(dict.fromkeys(source[k] for k in keys))  # one rank file at a time
+            shard = {k: read[source[k]].to(out_dtype(k)).clone() for k in keys}
+            write_safetensors(os.path.join(tmp, filename), shard)
+            bar.update(len(keys))
+            del shard, read
+        bar.close()
+        written = list(plan.files)
+        if plan.index is not None:
+            write_json(os.path.join(tmp, WEIGHTS_INDEX_NAME), plan.index)
+            written.append(WEIGHTS_INDEX_NAME)
+        sources = [layout.checkpoint_dir, os.path.dirname(layout.tag_dir)]
+        written += _copy_model_files(sources, tmp, adapter=False, dtype=target or torch.float32)
         if os.path.isdir(out):
             os.rmdir(out)  # empty (checked above)
         os.replace(tmp, out)

@@ -1,9 +1,12 @@
-"""``deepspeed.utils.zero_to_fp32`` for hf_zero checkpoints.
+"""``deepspeed.utils.zero_to_fp32`` without DeepSpeed, for DeepSpeed's checkpoints and hf_zero's.
 
-DeepSpeed's functions read its ``global_step*/`` shard files; these read an hf_zero sharded
-checkpoint (a Trainer ``checkpoint-N/`` folder, or its ``zero_state/``) through the same safe
-reader ``hf-zero consolidate`` uses (nothing in the checkpoint is unpickled or run). The result is
-what DeepSpeed returns: the model's fp32 state dict, keyed as ``model.state_dict()``, tied weights
+A DeepSpeed ZeRO checkpoint (``latest`` + ``global_step*/`` rank files) is read by
+:mod:`hf_zero.checkpoint.deepspeed_files` (``torch.load(weights_only=True)`` with DeepSpeed's few
+names as plain stand-ins: nothing from the checkpoint runs, where DeepSpeed's own functions unpickle
+with ``weights_only=False``); the result is DeepSpeed's: same names, order and values, shared
+parameters as one tensor, frozen parameters in their saved dtype. An hf_zero sharded checkpoint (a
+Trainer ``checkpoint-N/`` folder, or its ``zero_state/``) is read through the safe reader ``hf-zero
+consolidate`` uses: the model's fp32 state dict, keyed as ``model.state_dict()``, tied weights
 sharing one tensor.
 """
 
@@ -69,6 +72,9 @@ def get_fp32_state_dict_from_zero_checkpoint(
     if lazy_mode:
         raise ValueError("get_fp32_state_dict_from_zero_checkpoint(lazy_mode=True) is not offered by hf_zero; "
                          "write the weights to files with: hf-zero consolidate CHECKPOINT OUT_DIR")
+    deepspeed = _deepspeed_layout(checkpoint_dir, tag)
+    if deepspeed is not None:
+        return _deepspeed_state_dict(deepspeed, exclude_frozen_parameters)
     src = _checkpoint_dir(checkpoint_dir, tag)
     info = read_marker(src)
     reader = SafeFileSystemReader(src)
@@ -109,6 +115,27 @@ def get_fp32_state_dict_from_zero_checkpoint(
     return out
 
 
+def _deepspeed_layout(checkpoint_dir: str | os.PathLike, tag: str | None) -> Any:
+    """The DeepSpeed checkpoint at ``checkpoint_dir`` (``tag``: DeepSpeed's sub-folder), or None."""
+    from hf_zero.checkpoint.deepspeed_files.layout import find_deepspeed_checkpoint, is_deepspeed_checkpoint
+
+    path = os.fspath(checkpoint_dir)
+    if not os.path.isdir(path) or not is_deepspeed_checkpoint(path, tag if tag is not None and
+                                                              os.path.isdir(os.path.join(path, tag)) else None):
+        return None
+    return find_deepspeed_checkpoint(path, tag)
+
+
+def _deepspeed_state_dict(layout: Any, exclude_frozen_parameters: bool) -> OrderedDict:
+    from hf_zero.checkpoint.deepspeed_files.fp32_weights import DeepSpeedWeights
+
+    weights = DeepSpeedWeights(layout, exclude_frozen_parameters=exclude_frozen_parameters)
+    out: OrderedDict = OrderedDict(weights.read(weights.entries))
+    for alias, target in weights.aliases.items():
+        out[alias] = out[target]  # one tensor, as DeepSpeed's state dict
+    return out
+
+
 def load_state_dict_from_zero_checkpoint(model: nn.Module, checkpoint_dir: str | os.PathLike,
                                          tag: str | None = None) -> nn.Module:
     """Load the fp32 weights of an hf_zero checkpoint into ``model`` (moved to the CPU), as
@@ -136,4 +163,12 @@ def convert_zero_checkpoint_to_fp32_state_dict(checkpoint_dir: str | os.PathLike
     if os.path.splitext(out)[1] in (".bin", ".pt", ".pth", ".safetensors"):
         raise ValueError(f"convert_zero_checkpoint_to_fp32_state_dict: {out} is a file name; hf_zero writes a "
                          "from_pretrained folder: pass a directory (or run: hf-zero consolidate CHECKPOINT OUT_DIR)")
+    deepspeed = _deepspeed_layout(checkpoint_dir, tag)
+    if deepspeed is not None:
+        if exclude_frozen_parameters:
+            raise ValueError("convert_zero_checkpoint_to_fp32_state_dict(exclude_frozen_parameters=True) on a DeepSpeed "
+                             "checkpoint is not offered by hf_zero: the folder it writes must load with from_pretrained; "
+                             "use get_fp32_state_dict_from_zero_checkpoint(..., exclude_frozen_parameters=True)")
+        return consolidate_checkpoint(deepspeed.tag_dir if tag is not None else deepspeed.checkpoint_dir, out,
+                                      dtype="fp32", max_shard_size=max_shard_size)
     return consolidate_checkpoint(_checkpoint_dir(checkpoint_dir, tag), out, dtype="fp32", max_shard_size=max_shard_size)

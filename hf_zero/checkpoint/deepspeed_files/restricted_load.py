@@ -97,7 +97,7 @@ def load_deepspeed_file(path: str | os.PathLike, *, mmap: bool = True) -> Any:
 def _reason(exc: BaseException) -> str:
     """The useful line of torch's error (its weights_only message is a page of advice around it)."""
     text = str(exc)
-    found = re.search(r"Unsupported global: GLOBAL (\S+)", text)
+    found = re.search(r"(?:Unsupported global: GLOBAL|unsupported GLOBAL) (\S+)", text)
     if found:
         return f"it asks for the global {found.group(1)}"
     found = re.search(r"WeightsUnpickler error:\s*(.+?)(?:\.\s|\n|$)", text)

@@ -1,0 +1,329 @@
+"""DeepSpeed's own ZeRO checkpoints read without DeepSpeed (hf_zero.checkpoint.deepspeed_files).
+
+The fixtures (tests/unit/data/deepspeed_checkpoints/<case>/) are real DeepSpeed 0.19.8 checkpoints
+made by scripts/make_deepspeed_fixtures.py (Trainer --deepspeed, 2 gloo CPU ranks, a GPT-2 with odd
+sizes and a tied lm_head; bf16 cases with a frozen parameter), each with DeepSpeed's own
+zero_to_fp32 output (zero_to_fp32/pytorch_model.bin) as the reference. Values are copied, never
+computed, so every comparison is exact.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from hf_zero.checkpoint.consolidate import consolidate_checkpoint
+from hf_zero.checkpoint.deepspeed_files import DeepSpeedWeights, find_deepspeed_checkpoint, load_deepspeed_file
+from hf_zero.checkpoint.errors import CheckpointError
+from hf_zero.cli.main import main as cli_main
+from hf_zero.deepspeed_api import zero_to_fp32 as zero_to_fp32_api
+
+DATA = Path(__file__).parent / "data" / "deepspeed_checkpoints"
+CASES = sorted(p.name for p in DATA.iterdir() if (p / "MANIFEST.json").is_file())
+STAGE = {"zero1": 1, "zero2": 2, "zero3": 3}
+
+
+def manifest(case: str) -> dict:
+    return json.loads((DATA / case / "MANIFEST.json").read_text())
+
+
+def reference(case: str) -> dict[str, torch.Tensor]:
+    """DeepSpeed's zero_to_fp32 output (a torch.save of tensors only: weights_only needs no global)."""
+    return torch.load(DATA / case / "zero_to_fp32" / "pytorch_model.bin", weights_only=True)
+
+
+def checkpoint(case: str) -> Path:
+    return DATA / case / f"checkpoint-{manifest(case)['save_steps']}"
+
+
+def copy_checkpoint(case: str, tmp_path: Path) -> Path:
+    dest = tmp_path / case / checkpoint(case).name
+    shutil.copytree(checkpoint(case), dest)
+    return dest
+
+
+def assert_same_tensors(got: dict, ref: dict, *, dtype: torch.dtype | None = None) -> None:
+    """Same names (in the same order unless ``got`` is a safetensors file's, which sorts them),
+    shapes, dtypes (``ref`` cast to ``dtype``) and values, exactly."""
+    assert list(got) == list(ref) or (list(got) == sorted(got) and sorted(got) == sorted(ref))
+    for name, want in ref.items():
+        want = want.to(dtype) if dtype is not None and want.is_floating_point() else want
+        assert got[name].shape == want.shape, name
+        assert got[name].dtype == want.dtype, name
+        assert torch.equal(got[name], want), (name, (got[name].float() - want.float()).abs().max().item())
+
+
+def test_fixtures_are_deepspeed_0_19_8():
+    assert CASES == ["zero1_fp32", "zero2_bf16", "zero2_fp32", "zero3_bf16", "zero3_fp32"]
+    for case in CASES:
+        assert manifest(case)["deepspeed_version"] == "0.19.8"
+        assert find_deepspeed_checkpoint(checkpoint(case)).ds_version == "0.19.8"
+
+
+# ----------------------------------------------------------------------------------------------- layout
+@pytest.mark.parametrize("case", CASES)
+def test_layout(case):
+    layout = find_deepspeed_checkpoint(checkpoint(case))
+    info = manifest(case)
+    assert layout.stage == STAGE[case[:5]]
+    assert layout.world_size == info["world_size"] == 2
+    assert layout.optim_prefix == ("bf16_" if info["dtype"] == "bf16" else "")
+    assert layout.tag_dir == str(checkpoint(case) / "global_step2")
+    assert [os.path.basename(f) for f in layout.optim_files] == [
+        f"{layout.optim_prefix}zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in range(2)]
+    assert [os.path.basename(f) for f in layout.model_files] == (
+        [f"zero_pp_rank_{r}_mp_rank_00_model_states.pt" for r in range(2)] if layout.stage == 3
+        else ["mp_rank_00_model_states.pt"])
+    # The tag folder itself, and the tag given explicitly, are the same checkpoint.
+    assert find_deepspeed_checkpoint(layout.tag_dir).optim_files == layout.optim_files
+    assert find_deepspeed_checkpoint(checkpoint(case), tag="global_step2").optim_files == layout.optim_files
+
+
+def test_not_a_deepspeed_checkpoint(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    assert find_deepspeed_checkpoint(tmp_path) is None
+
+
+# ----------------------------------------------------------------------------------------------- fp32 weights
+@pytest.mark.parametrize("case", CASES)
+def test_fp32_weights_equal_deepspeeds_zero_to_fp32(case):
+    weights = DeepSpeedWeights(find_deepspeed_checkpoint(checkpoint(case)))
+    got = weights.read(weights.entries)
+    assert weights.aliases == {"lm_head.weight": "transformer.wte.weight"}
+    for alias, target in weights.aliases.items():
+        got[alias] = got[target]
+    ref = reference(case)
+    # DeepSpeed's convert casts frozen parameters (bf16 here) to fp32; its state dict keeps them bf16.
+    frozen = [n for n, e in weights.entries.items() if e.kind == "frozen"]
+    assert frozen == (["transformer.wpe.weight"] if "bf16" in case else [])
+    assert_same_tensors({n: t.float() for n, t in got.items()}, ref)
+
+
+def test_world_size_other_than_two_and_rank_order(tmp_path):
+    """An 11-rank ZeRO-3 layout cut from the reference by DeepSpeed's rule (ceil(numel/11) per rank,
+    the last padded): rank files sort by number (rank 10 after rank 9, not after rank 1)."""
+    case, world = "zero3_fp32", 11
+    src = find_deepspeed_checkpoint(checkpoint(case))
+    ref = reference(case)
+    tag = tmp_path / "global_step2"
+    tag.mkdir()
+    state = dict(src.model_state, dp_world_size=world)
+    names = [n for g in state["param_shapes"] for n in g]
+    for rank in range(world):
+        flat = []
+        for n in names:
+            piece = -(-ref[n].numel() // world)
+            padded = torch.cat([ref[n].reshape(-1), torch.zeros(piece * world - ref[n].numel())])
+            flat.append(padded[rank * piece:(rank + 1) * piece])
+        optim = {"optimizer_state_dict": {"zero_stage": 3, "partition_count": world,
+                                          "fp32_flat_groups": [torch.cat(flat[:3]), torch.cat(flat[3:])]}}
+        torch.save(optim, tag / f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt")
+        torch.save(state, tag / f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt")
+    layout = find_deepspeed_checkpoint(tag)
+    assert layout.world_size == world
+    assert [int(os.path.basename(f).split("_")[3]) for f in layout.optim_files] == list(range(world))
+    weights = DeepSpeedWeights(layout)
+    got = weights.read(names)
+    for n in names:
+        assert torch.equal(got[n], ref[n]), n
+
+
+# ----------------------------------------------------------------------------------------------- consolidate
+@pytest.mark.parametrize("case", CASES)
+def test_consolidate_writes_deepspeeds_tensors(case, tmp_path):
+    from safetensors.torch import load_file
+    from transformers import GPT2LMHeadModel
+
+    out = tmp_path / "out"
+    assert cli_main(["consolidate", str(checkpoint(case)), str(out), "--no_progress"]) == 0
+    got = load_file(out / "model.safetensors")
+    assert_same_tensors(got, reference(case))  # every name, shape and value, shared lm_head included
+    model = GPT2LMHeadModel.from_pretrained(out)
+    assert model.lm_head.weight.data_ptr() == model.transformer.wte.weight.data_ptr()
+    state = model.state_dict()
+    for name, want in reference(case).items():
+        assert torch.equal(state[name], want), name
+
+
+def test_consolidate_16bit(tmp_path):
+    from safetensors.torch import load_file
+
+    for case, dtype, torch_dtype in (("zero3_bf16", "bf16", torch.bfloat16), ("zero2_fp32", "fp16", torch.float16)):
+        out = tmp_path / case
+        consolidate_checkpoint(checkpoint(case), out, dtype=dtype, progress=False)
+        assert_same_tensors(load_file(out / "model.safetensors"), reference(case), dtype=torch_dtype)
+        assert json.loads((out / "config.json").read_text())["dtype"] == str(torch_dtype).removeprefix("torch.")
+
+
+def test_consolidate_in_several_shards(tmp_path):
+    from safetensors.torch import load_file
+
+    out = tmp_path / "out"
+    written = consolidate_checkpoint(checkpoint("zero2_bf16"), out, max_shard_size=1500, progress=False)
+    shards = [n for n in written if n.startswith("model-")]
+    assert len(shards) > 2 and "model.safetensors.index.json" in written
+    got = {}
+    for name in shards:
+        got.update(load_file(out / name))
+    ref = reference("zero2_bf16")
+    assert sorted(got) == sorted(ref)
+    assert all(torch.equal(got[n], ref[n]) for n in ref)
+
+
+# ----------------------------------------------------------------------------------------------- deepspeed.utils.zero_to_fp32
+@pytest.fixture
+def deepspeed_namespace():
+    """hf_zero's ``deepspeed`` namespace installed for one test (no DeepSpeed here), removed after it."""
+    import hf_zero
+    from hf_zero.deepspeed_api import disable_deepspeed_compat
+
+    assert hf_zero.enable_deepspeed_compat() is True
+    try:
+        yield
+    finally:
+        disable_deepspeed_compat()
+
+
+@pytest.mark.parametrize("case", ["zero2_bf16", "zero3_fp32"])
+def test_zero_to_fp32_functions_read_deepspeeds_folders(case, tmp_path, deepspeed_namespace):
+    from safetensors.torch import load_file
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from deepspeed.utils.zero_to_fp32 import (
+        convert_zero_checkpoint_to_fp32_state_dict,
+        get_fp32_state_dict_from_zero_checkpoint,
+        load_state_dict_from_zero_checkpoint,
+    )
+
+    ref = reference(case)
+    state = get_fp32_state_dict_from_zero_checkpoint(str(checkpoint(case)))
+    # As DeepSpeed's function: frozen parameters in their saved dtype (its convert casts them), lm_head shared.
+    assert_same_tensors({k: v.float() for k, v in state.items()}, ref)
+    assert state["lm_head.weight"] is state["transformer.wte.weight"]
+    assert state["transformer.wpe.weight"].dtype == (torch.bfloat16 if "bf16" in case else torch.float32)
+    by_tag = get_fp32_state_dict_from_zero_checkpoint(str(checkpoint(case)), tag="global_step2")
+    assert all(torch.equal(by_tag[k], state[k]) for k in state)
+    if "bf16" in case:
+        trained = get_fp32_state_dict_from_zero_checkpoint(str(checkpoint(case)), exclude_frozen_parameters=True)
+        assert list(trained) == [k for k in state if k != "transformer.wpe.weight"]
+    model = GPT2LMHeadModel(GPT2Config(**manifest(case)["model_config"]))
+    model = load_state_dict_from_zero_checkpoint(model, str(checkpoint(case)))
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in ref.items())
+    written = convert_zero_checkpoint_to_fp32_state_dict(str(checkpoint(case)), str(tmp_path / "out"))
+    assert "model.safetensors" in written
+    assert_same_tensors(load_file(tmp_path / "out" / "model.safetensors"), ref)
+
+
+# ----------------------------------------------------------------------------------------------- no code runs
+class _Payload:
+    """Pickles as a call of os.system: what a tampered checkpoint holds."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+@pytest.mark.parametrize("victim", ["optim_rank1", "model_rank0"])
+def test_tampered_file_is_refused_and_runs_nothing(victim, tmp_path):
+    ckpt = copy_checkpoint("zero3_fp32", tmp_path)
+    marker = tmp_path / "ran"
+    name = ("zero_pp_rank_1_mp_rank_00_optim_states.pt" if victim == "optim_rank1"
+            else "zero_pp_rank_0_mp_rank_00_model_states.pt")
+    path = ckpt / "global_step2" / name
+    torch.save({"optimizer_state_dict": _Payload(marker), "module": _Payload(marker)}, path)
+    out = tmp_path / "out"
+    with pytest.raises(CheckpointError) as err:
+        consolidate_checkpoint(ckpt, out, progress=False)
+    assert str(path) in str(err.value) and "system" in str(err.value)
+    assert not out.exists() and [p.name for p in tmp_path.iterdir() if p.name.startswith(".out")] == []
+    for call in (lambda: zero_to_fp32_api.get_fp32_state_dict_from_zero_checkpoint(str(ckpt)),
+                 lambda: zero_to_fp32_api.convert_zero_checkpoint_to_fp32_state_dict(str(ckpt), str(out))):
+        with pytest.raises(CheckpointError, match="system"):
+            call()
+    assert cli_main(["consolidate", str(ckpt), str(out), "--no_progress"]) == 2
+    assert not marker.exists() and not out.exists()
+    with pytest.raises(pickle.UnpicklingError):  # control: the payload does run under plain pickle rules
+        torch.load(path, weights_only=True)
+    torch.load(path, weights_only=False)
+    assert marker.exists()
+
+
+def test_training_args_bin_is_never_loaded(tmp_path):
+    ckpt = copy_checkpoint("zero2_fp32", tmp_path)
+    marker = tmp_path / "ran"
+    with open(ckpt / "training_args.bin", "wb") as f:
+        pickle.dump(_Payload(marker), f)
+    (ckpt / "zero_to_fp32.py").write_text(f"open({str(marker)!r}, 'w')\n")
+    consolidate_checkpoint(ckpt, tmp_path / "out", progress=False)
+    assert not marker.exists()
+    assert sorted(os.listdir(tmp_path / "out")) == ["config.json", "generation_config.json", "model.safetensors"]
+
+
+def test_restricted_loader_admits_only_deepspeeds_names():
+    optim = load_deepspeed_file(checkpoint("zero2_bf16") / "global_step2" / "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt")
+    sd = optim["optimizer_state_dict"]
+    assert int(sd["zero_stage"]) == 2
+    assert sd["loss_scaler"].cur_scale == 1.0
+    first = next(iter(sd["param_slice_mappings"][0].values()))
+    assert (first.numel, first.start) == (333, 0)  # transformer.wte.weight (37 x 9) at the buffer's start
+
+
+# ----------------------------------------------------------------------------------------------- errors
+def _error(path, **kwargs) -> str:
+    with pytest.raises((CheckpointError, FileNotFoundError)) as err:
+        find_deepspeed_checkpoint(path, **kwargs)
+    return str(err.value)
+
+
+def test_missing_rank_file(tmp_path):
+    ckpt = copy_checkpoint("zero2_bf16", tmp_path)
+    (ckpt / "global_step2" / "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt").unlink()
+    message = _error(ckpt)
+    assert "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt is missing" in message and "dp_world_size" in message
+
+
+def test_world_size_the_files_contradict(tmp_path):
+    ckpt = copy_checkpoint("zero2_fp32", tmp_path)
+    tag = ckpt / "global_step2"
+    shutil.copy(tag / "zero_pp_rank_1_mp_rank_00_optim_states.pt", tag / "zero_pp_rank_2_mp_rank_00_optim_states.pt")
+    assert "files of rank 2" in _error(ckpt)
+    # partition_count against dp_world_size: a rank file of a 4-rank run put in place of rank 1's.
+    (tag / "zero_pp_rank_2_mp_rank_00_optim_states.pt").unlink()
+    optim = load_deepspeed_file(tag / "zero_pp_rank_1_mp_rank_00_optim_states.pt", mmap=False)
+    optim["optimizer_state_dict"]["partition_count"] = [4, 4]
+    optim["optimizer_state_dict"]["zero_stage"] = 2
+    optim["optimizer_state_dict"].pop("loss_scaler")
+    optim["optimizer_state_dict"].pop("param_slice_mappings")
+    torch.save({"optimizer_state_dict": optim["optimizer_state_dict"]}, tag / "zero_pp_rank_1_mp_rank_00_optim_states.pt")
+    weights = DeepSpeedWeights(find_deepspeed_checkpoint(ckpt))
+    with pytest.raises(CheckpointError, match="partition_count.*mixed"):
+        weights.read(weights.entries)
+
+
+def test_layouts_hf_zero_does_not_read(tmp_path):
+    ckpt = copy_checkpoint("zero2_fp32", tmp_path)
+    tag = ckpt / "global_step2"
+    (tag / "layer_01-model_00-model_states.pt").write_bytes(b"")
+    assert "pipeline-parallel" in _error(ckpt)
+    (tag / "layer_01-model_00-model_states.pt").unlink()
+    (tag / "expp_rank_0_mp_rank_00_optim_states.pt").write_bytes(b"")
+    assert "Mixture-of-Experts" in _error(ckpt)
+    (tag / "expp_rank_0_mp_rank_00_optim_states.pt").unlink()
+    shutil.copy(tag / "mp_rank_00_model_states.pt", tag / "mp_rank_01_model_states.pt")
+    assert "tensor or pipeline parallel" in _error(ckpt)
+    (tag / "mp_rank_01_model_states.pt").unlink()
+    (tag / "zero").mkdir()
+    assert "universal checkpoint" in _error(ckpt)
+    (tag / "zero").rmdir()
+    (ckpt / "latest").write_text("../elsewhere")
+    assert "not a checkpoint tag" in _error(ckpt)
+    (ckpt / "latest").write_text("global_step9")
+    assert "global_step9" in _error(ckpt) and "does not exist" in _error(ckpt)
