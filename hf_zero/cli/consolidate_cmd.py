@@ -1,7 +1,7 @@
 """``hf-zero consolidate CHECKPOINT OUT``: sharded checkpoint -> safetensors folder, on one CPU process.
 
-CHECKPOINT is a directory written by ``save_checkpoint`` or a Trainer ``checkpoint-N`` folder
-holding one. OUT must not exist or be empty. Exit 0 on success; 2 with a one-line message for a
+CHECKPOINT is a directory written by ``save_checkpoint``, a Trainer ``checkpoint-N`` folder
+holding one, or a DeepSpeed ZeRO checkpoint (``checkpoint-N`` with ``latest`` and ``global_stepN/``). OUT must not exist or be empty. Exit 0 on success; 2 with a one-line message for a
 missing or incomplete checkpoint or a non-empty OUT.
 """
 
@@ -24,9 +24,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="turn a sharded checkpoint into safetensors that from_pretrained loads",
         description="Read the model weights of a sharded hf_zero checkpoint (any number of ranks) and write "
         "them as safetensors shards + index with the config and tokenizer files, in one CPU process "
-        "(no GPU, no launcher). A peft checkpoint gives its adapter.",
+        "(no GPU, no launcher). A peft checkpoint gives its adapter. A DeepSpeed ZeRO-1/2/3 checkpoint "
+        "(checkpoint-N with latest and global_stepN/) gives the tensors of DeepSpeed's zero_to_fp32.py, "
+        "without DeepSpeed and without unpickling anything but tensors and DeepSpeed's own few names.",
     )
-    parser.add_argument("checkpoint", metavar="CHECKPOINT", help="checkpoint directory (or a Trainer checkpoint-N folder)")
+    parser.add_argument("checkpoint", metavar="CHECKPOINT", help="checkpoint directory (or a Trainer checkpoint-N folder, hf_zero's or DeepSpeed's)")
     parser.add_argument("output_dir", metavar="OUT", help="output directory (must not exist or be empty)")
     parser.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32",
                         help="dtype of the written weights (default fp32: the exact master weights)")

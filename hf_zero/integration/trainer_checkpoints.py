@@ -197,6 +197,15 @@ class ZeroCheckpointingMixin:
         if not os.path.isdir(resume_from_checkpoint):
             raise FileNotFoundError(f"resume_from_checkpoint: {resume_from_checkpoint} does not exist")
         zero_state = os.path.join(resume_from_checkpoint, ZERO_STATE_DIR)
+        from hf_zero.checkpoint.deepspeed_files.layout import is_deepspeed_checkpoint
+
+        if not os.path.isdir(zero_state) and is_deepspeed_checkpoint(resume_from_checkpoint):
+            raise ValueError(
+                f"resume_from_checkpoint: {resume_from_checkpoint} was written by DeepSpeed (latest + global_stepN/ "
+                "rank files); hf_zero reads its weights but does not resume DeepSpeed's optimizer state, schedule "
+                f"and RNG yet. Write its exact fp32 weights with `hf-zero consolidate {resume_from_checkpoint} "
+                "OUT_DIR` (no DeepSpeed needed) and start a new run from OUT_DIR (--model_name_or_path OUT_DIR)"
+            )
         if not os.path.isdir(zero_state) and os.path.isfile(os.path.join(resume_from_checkpoint, TRAINER_STATE_NAME)):
             # A complete Trainer checkpoint without hf_zero's state: written with --save_only_model
             # (or by another trainer). The plain Trainer would load the weights and restart the

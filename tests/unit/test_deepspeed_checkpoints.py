@@ -327,3 +327,18 @@ def test_layouts_hf_zero_does_not_read(tmp_path):
     assert "not a checkpoint tag" in _error(ckpt)
     (ckpt / "latest").write_text("global_step9")
     assert "global_step9" in _error(ckpt) and "does not exist" in _error(ckpt)
+
+
+def test_resuming_a_deepspeed_checkpoint_says_to_consolidate(tmp_path):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from hf_zero import ZeroTrainer, ZeroTrainingArguments
+
+    ckpt = checkpoint("zero3_fp32")
+    args = ZeroTrainingArguments(output_dir=str(tmp_path / "run"), max_steps=4, report_to="none", use_cpu=True,
+                                 zero_config={"zero_optimization": {"stage": 3}})
+    data = [{"input_ids": torch.arange(3, 11), "labels": torch.arange(3, 11)}] * 4
+    trainer = ZeroTrainer(model=GPT2LMHeadModel(GPT2Config(**manifest("zero3_fp32")["model_config"])), args=args,
+                          train_dataset=data)
+    with pytest.raises(ValueError, match=r"written by DeepSpeed.*hf-zero consolidate .*checkpoint-2 OUT_DIR"):
+        trainer.train(resume_from_checkpoint=str(ckpt))
