@@ -342,3 +342,35 @@ def test_resuming_a_deepspeed_checkpoint_says_to_consolidate(tmp_path):
                           train_dataset=data)
     with pytest.raises(ValueError, match=r"written by DeepSpeed.*hf-zero consolidate .*checkpoint-2 OUT_DIR"):
         trainer.train(resume_from_checkpoint=str(ckpt))
+
+
+def _deepspeed_python() -> str | None:
+    """A Python where DeepSpeed imports (HF_ZERO_DEEPSPEED_PYTHON, else /tmp/ds-venv's), or None."""
+    import subprocess
+
+    for python in (os.environ.get("HF_ZERO_DEEPSPEED_PYTHON"), "/tmp/ds-venv/bin/python"):
+        if python and os.path.isfile(python) and subprocess.run(
+                [python, "-c", "import deepspeed"], capture_output=True, timeout=120).returncode == 0:
+            return python
+    return None
+
+
+@pytest.mark.slow
+def test_fixture_regenerated_with_deepspeed_reads_the_same(tmp_path):
+    """Where DeepSpeed is installed (its own venv): make one case afresh with the committed script
+    (2 gloo ranks, ~1 min) and read it against DeepSpeed's fresh zero_to_fp32 output."""
+    import subprocess
+
+    python = _deepspeed_python()
+    if python is None:
+        pytest.skip("no Python with DeepSpeed (set HF_ZERO_DEEPSPEED_PYTHON; CI reads the committed fixtures)")
+    script = Path(__file__).parents[2] / "scripts" / "make_deepspeed_fixtures.py"
+    subprocess.run([python, str(script), "--out", str(tmp_path), "--cases", "zero3_bf16"], check=True,
+                   capture_output=True, timeout=900)
+    fresh = json.loads((tmp_path / "zero3_bf16" / "MANIFEST.json").read_text())
+    assert sorted(fresh["files"]) == sorted(manifest("zero3_bf16")["files"])  # the same layout as the fixture
+    weights = DeepSpeedWeights(find_deepspeed_checkpoint(tmp_path / "zero3_bf16" / "checkpoint-2"))
+    got = weights.read(weights.entries)
+    got.update({alias: got[target] for alias, target in weights.aliases.items()})
+    ref = torch.load(tmp_path / "zero3_bf16" / "zero_to_fp32" / "pytorch_model.bin", weights_only=True)
+    assert_same_tensors({n: t.float() for n, t in got.items()}, ref)
