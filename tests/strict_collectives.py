@@ -8,9 +8,15 @@ every tensor is host memory and every collective accepts it, so this module trac
 
 * **Tags.** :func:`install` wraps the places where hf_zero puts tensors in host memory: FSDP2's
   ``CPUOffloadPolicy`` shards (``CpuParamOffload``: every parameter shard, and each gradient shard
-  as FSDP2 hands it to the post-accumulate-grad hooks) and the offload buffers
-  (``offload.base._allocate``, pinned or pageable). A tag is the tensor's storage address plus where
-  it came from; the storage is held, so a freed address cannot be reused and misreported.
+  as FSDP2 hands it to the post-accumulate-grad hooks), NVMe-swapped parameter shards (tagged again
+  at every swap-in, which gives them new storage) and the offload buffers (``offload.base._allocate``,
+  pinned or pageable: the offloaded optimizer's gradient and master arenas, its staging blocks, the
+  NVMe buffer pool). A tag is the tensor's storage address plus where it came from; the storage is
+  held, and a tag whose storage has moved (a swapped-out shard) is dropped, so a reused address is
+  not misreported.
+* **No blind spots.** An offloaded optimizer whose host gradient or master buffer is not tagged
+  raises :class:`StrictCollectiveError` when it is built: strict mode would not see those buffers
+  enter a collective, so the run would prove nothing.
 * **Propagation.** A :class:`~torch.overrides.TorchFunctionMode` tags results computed from host
   tensors (a norm of host gradients, a bf16 cast of a host shard) as host memory, as on a GPU where
   they would be computed on the CPU. 0-dim host tensors mixed with other tensors count as scalars.
@@ -19,13 +25,16 @@ every tensor is host memory and every collective accepts it, so this module trac
   dtype, where it came from) when a tagged tensor, or a DTensor whose local shard is one, is passed.
 * **The sanctioned moves.** ``collective_device()`` answers as on an NCCL-only group: its device
   objects stand for the accelerator, and ``.to(<that object>)`` of a host tensor returns a fresh,
-  untagged copy. :func:`hf_zero.distributed.collectives.on_mesh_device` (and FSDP2's own copy of
+  untagged copy; so does the device Muon picks for its all-to-all of a host shard (``optim/muon.py``
+  ``_exchange_device``, which decides as on a GPU run). torch's full-state-dict gather
+  (``get_model_state_dict(full_state_dict=True)``: ``_state_dict_utils._gather_state_dict``) runs
+  as on a GPU too: it moves each DTensor to its mesh's device type before gathering it. :func:`hf_zero.distributed.collectives.on_mesh_device` (and FSDP2's own copy of
   offloaded shards before its all-gather, ``FSDPParam.all_gather_inputs``) run as on a GPU: inside it, a host tensor reports a device other than the mesh's, and ``.to(<mesh device>)``
   of a host tensor returns a fresh, untagged copy (the host-to-device copy). Outside it ``.to`` keeps
   the tier (``.to("cpu")`` of host memory stays host memory). A bypassed or broken
   ``on_mesh_device`` therefore leaves the host shard in the collective and fails here.
 
-Limits: NVMe-swapped parameter shards get new storage on every swap-in and are not re-tagged; a
+Limits: a
 ``.to(device)`` outside ``on_mesh_device`` never counts as a move to the device (no false errors, but
 a correct move done elsewhere would be reported); ``torch.ops`` calls do not propagate tags.
 
@@ -114,7 +123,13 @@ def host_origin(t: Any) -> str | None:
     if address is None:
         return None
     entry = _host.get(address)
-    return None if entry is None else entry[1]
+    if entry is None:
+        return None
+    if entry[0].data_ptr() != address:  # the tagged storage moved (an NVMe shard swapped out): stale
+        with _lock:
+            _host.pop(address, None)
+        return None
+    return entry[1]
 
 
 def check(op: str, *values: Any) -> None:
@@ -223,6 +238,21 @@ def _on_nccl(collective_device):
     return wrapper
 
 
+def _exchange_on_gpu(exchange_device):
+    """Muon's choice of where its all-to-all runs (``optim/muon.py`` ``_exchange_device``), made as
+    on a GPU run: a host shard is not on the mesh's device there, and the device it then picks
+    stands for the accelerator (``.to`` it is the host-to-device copy)."""
+
+    @functools.wraps(exchange_device)
+    def wrapper(t, mesh_type):
+        out = torch.device(_as_on_gpu(exchange_device)(t, mesh_type))
+        if host_origin(t) is not None:
+            _accelerator_devices.append(out)
+        return out
+
+    return wrapper
+
+
 def _tag_offloaded_params(init):
     @functools.wraps(init)
     def wrapper(self, model, *args, **kwargs):
@@ -241,10 +271,58 @@ def _tag_allocation(allocate):
     @functools.wraps(allocate)
     def wrapper(nbytes, pin):
         out = allocate(nbytes, pin)
-        tag_host(out, f"{'pinned' if pin else 'pageable'} host buffer of {nbytes} bytes (offload.base.alloc_host)")
+        kind = "pinned" if pin else "pageable"
+        tag_host(out, f"{kind} host buffer of {nbytes} bytes (offload.base._allocate: an offload buffer or arena)")
         return out
 
     return wrapper
+
+
+def _tag_nvme_shards(swapper_cls):
+    """NVMe-swapped parameter shards: tagged when the swapper is built and at every swap-in (the
+    storage is resized to 0 on eviction and back on load, at a new address)."""
+    init, start_load = swapper_cls.__init__, swapper_cls._start_load
+
+    def tag_unit(unit) -> None:
+        for fp in unit.fsdp_params:
+            names = getattr(fp, "_param_fqn", None) or "?"
+            tag_host(fp._sharded_param_data, f"NVMe-swapped parameter shard {names} (offload_param nvme)")
+
+    @functools.wraps(init)
+    def wrapped_init(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        for unit in self.units:
+            if unit.resident:
+                tag_unit(unit)
+
+    @functools.wraps(start_load)
+    def wrapped_start_load(self, unit, *args, **kwargs):
+        start_load(self, unit, *args, **kwargs)
+        if unit.resident:
+            tag_unit(unit)
+
+    swapper_cls.__init__ = wrapped_init
+    swapper_cls._start_load = wrapped_start_load
+
+
+def _require_tagged_buffers(optimizer_cls):
+    """An offloaded optimizer's host gradients and masters must be tagged: otherwise a collective
+    on them (an F1-type regression) would pass here and fail on a GPU."""
+    init = optimizer_cls.__init__
+
+    @functools.wraps(init)
+    def wrapper(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        for slot in self.slots:
+            for kind, buf in (("gradient", slot.grad), ("fp32 master", slot.master)):
+                if buf is not None and buf.numel() and host_origin(buf) is None:
+                    raise StrictCollectiveError(
+                        f"strict collectives cannot see the offloaded optimizer's host {kind} buffer of "
+                        f"{slot.name} (not tagged as host memory): tag it where it is allocated "
+                        "(tests/strict_collectives.py wraps offload.base._allocate)"
+                    )
+
+    optimizer_cls.__init__ = wrapper
 
 
 def install() -> None:
@@ -283,12 +361,27 @@ def install() -> None:
     wrapped = _on_nccl(collectives.collective_device)
     for module in (collectives, manager):
         module.collective_device = wrapped
+    # torch's full state dict (get_model_state_dict(full_state_dict=True)) moves each DTensor to
+    # its mesh's device type before gathering it (_state_dict_utils.dtensor_func): as on a GPU run.
+    import torch.distributed._state_dict_utils as state_dict_utils
+    import torch.distributed.checkpoint.state_dict as dcp_state_dict
+
+    gather = _as_on_gpu(state_dict_utils._gather_state_dict)
+    for module in (state_dict_utils, dcp_state_dict):
+        module._gather_state_dict = gather
+    import hf_zero.optim.muon as muon
+
+    muon._exchange_device = _exchange_on_gpu(muon._exchange_device)
     # FSDP2's own host-to-device copy of offloaded shards before its all-gather: a sanctioned move too.
     from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam
 
     FSDPParam.all_gather_inputs = property(_as_on_gpu(FSDPParam.all_gather_inputs.fget))
     param_offload.CpuParamOffload.__init__ = _tag_offloaded_params(param_offload.CpuParamOffload.__init__)
+    _tag_nvme_shards(param_offload.NvmeParamSwapper)
     base._allocate = _tag_allocation(base._allocate)
+    from hf_zero.offload.host_optimizer import OffloadedOptimizer
+
+    _require_tagged_buffers(OffloadedOptimizer)
     _HostTier().__enter__()  # process-wide for the main thread; never exited (the worker ends)
     _installed = True
 

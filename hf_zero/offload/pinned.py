@@ -33,6 +33,7 @@ import os
 import torch
 
 from hf_zero.distributed import device as accel
+from hf_zero.offload import base
 from hf_zero.offload.base import OffloadError, format_bytes
 from hf_zero.utils.host_memory import host_headroom
 
@@ -103,7 +104,7 @@ def _ranks_on_this_node() -> int:
 
 
 def pinning_fits(planned: int, setting: str, *, headroom: tuple[int | None, str] | None = None,
-                 ranks: int | None = None) -> bool:
+                 ranks: int | None = None, what: str = "") -> bool:
     """Whether ``planned`` bytes of pinned memory per rank fit this node's headroom; logs a
     warning naming ``setting`` and the numbers when they do not.
 
@@ -112,6 +113,7 @@ def pinning_fits(planned: int, setting: str, *, headroom: tuple[int | None, str]
         setting: the config key that asked for pinning (``offload_optimizer.pin_memory``).
         headroom: ``(bytes, what bounds it)``; read from the system by default.
         ranks: the ranks of this node that pin the same amount; ``LOCAL_WORLD_SIZE`` by default.
+        what: what is pinned, when ``setting`` alone does not say (a frozen model's shards).
     """
     if planned <= 0:
         return True
@@ -123,13 +125,13 @@ def pinning_fits(planned: int, setting: str, *, headroom: tuple[int | None, str]
     if need <= SAFETY * bytes_left:
         return True
     logger.warning(
-        "hf_zero: %s: pinning %s of host memory (%d rank(s) x %s, with the allocator's power-of-two "
+        "hf_zero: %s: pinning %s of host memory%s (%d rank(s) x %s, with the allocator's power-of-two "
         "rounding) would pass %.0f%% of the %s left by %s; a container that goes over its memory limit "
         "is killed without an error, so these buffers use pageable memory instead (training goes on; "
         "device<->host copies are synchronous and slower). To pin: give the container more memory, "
         "or offload less (offload_param, ratio), or set %s=false to silence this.",
-        setting, format_bytes(need), ranks, format_bytes(planned), SAFETY * 100, format_bytes(bytes_left),
-        bound, setting,
+        setting, format_bytes(need), f" for {what}" if what else "", ranks, format_bytes(planned), SAFETY * 100,
+        format_bytes(bytes_left), bound, setting,
     )
     return False
 
@@ -170,11 +172,12 @@ class HostArena:
 
     def _allocate(self, nbytes: int, setting: str) -> torch.Tensor:
         try:
-            raw = accel.pinned_empty(nbytes) if self.pinned else torch.empty(nbytes, dtype=torch.uint8)
+            # Through the one host allocation function every offload buffer uses (tests wrap it).
+            raw = base._allocate(nbytes, self.pinned)
         except (RuntimeError, MemoryError) as exc:
             what = "pin" if self.pinned else "allocate"
             raise OffloadError(
                 f"could not {what} {format_bytes(nbytes)} of host memory ({exc}); "
                 + (f"set {setting}=false, or offload less" if self.pinned else "offload less or add host memory")
             ) from exc
-        return raw.zero_()
+        return raw  # zero-filled by _allocate

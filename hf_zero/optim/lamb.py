@@ -20,7 +20,10 @@ Sharded parameters: the trust ratio needs the norm of the *whole* parameter and 
 For an FSDP2 DTensor, ``torch.linalg.vector_norm`` / ``torch._foreach_norm`` return a DTensor with a
 partial placement; ``full_tensor()`` reduces it across the mesh, giving the global norm. The
 norms of one group that live on the same mesh are stacked first so that one all-reduce serves them
-all. Everything else is element-wise ``_foreach`` math, which DTensor runs shard by shard.
+all. Shards in host memory (``offload_param: cpu``, FSDP2's ``CPUOffloadPolicy``) give host norms:
+they are reduced on the mesh's device (an NCCL group refuses host tensors) and come back to the
+shards' device for the update. Everything else is element-wise ``_foreach`` math, which DTensor runs
+shard by shard.
 """
 
 from __future__ import annotations
@@ -62,7 +65,12 @@ def global_norms(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         norms = torch._foreach_norm([tensors[i] for i in idx])
         # One reduction for the whole bucket instead of one per parameter.
         stacked = torch.stack(norms)
-        stacked = stacked.full_tensor() if _is_dtensor(stacked) else stacked
+        if _is_dtensor(stacked):
+            from hf_zero.distributed.collectives import on_mesh_device
+
+            # Reduced where the collective runs (review N2: host shards' norms went into NCCL),
+            # then back beside the shards, which the update reads them with.
+            stacked = on_mesh_device(stacked).full_tensor().to(stacked.device)
         for i, n in zip(idx, stacked.unbind(0)):
             out[i] = n
     return out  # type: ignore[return-value]

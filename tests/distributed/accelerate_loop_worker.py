@@ -83,6 +83,9 @@ def train(out_dir: str, *, micro: int = MICRO, constant_lr: bool = False, resume
 
 
 def main() -> None:
+    from tests.strict_collectives import install_from_env
+
+    install_from_env()  # HF_ZERO_STRICT_COLLECTIVES=1 (tests/distributed/_launch.py sets it by default)
     mode, out = sys.argv[1], sys.argv[2]
     os.makedirs(out, exist_ok=True)
     rank = int(os.environ.get("RANK", "0"))

@@ -70,6 +70,9 @@ def run_stage(stage: int, dtype: str) -> dict:
 
 
 def main() -> None:
+    from tests.strict_collectives import install_from_env
+
+    install_from_env()  # HF_ZERO_STRICT_COLLECTIVES=1 (tests/distributed/_launch.py sets it by default)
     from hf_zero.distributed.env import init_distributed
 
     init_distributed()

@@ -106,6 +106,9 @@ def direct_case() -> dict:
 
 
 def main() -> None:
+    from tests.strict_collectives import install_from_env
+
+    install_from_env()  # HF_ZERO_STRICT_COLLECTIVES=1 (tests/distributed/_launch.py sets it by default)
     out, checkpoints = sys.argv[1], sys.argv[2]
     results = {name: run_case(zero) for name, zero in CASES.items()}
     results["direct"] = direct_case()

@@ -56,6 +56,7 @@ class OffloadCase:
     max_in_cpu: int = 1_000_000_000
     steps: int = 4
     load_dtype: str = "fp32"  # the dtype the model is loaded in (bf16: a `dtype="auto"` bf16 checkpoint)
+    optimizer_type: str = "AdamW"  # the config's optimizer.type (offloaded or not)
     extra: dict = field(default_factory=dict, hash=False, compare=False)
 
     @property
@@ -66,6 +67,7 @@ class OffloadCase:
     def name(self) -> str:
         tail = f"-ratio{self.ratio}" if self.ratio < 1 else ""
         tail += f"-load_{self.load_dtype}" if self.load_dtype != "fp32" else ""
+        tail += f"-{self.optimizer_type}" if self.optimizer_type != "AdamW" else ""
         return f"{self.base.name}-opt_{self.optimizer}-param_{self.params}{tail}"
 
     @property
@@ -78,6 +80,7 @@ class OffloadCase:
 
     def zero_config(self, nvme_dir: str, offload: bool = True) -> dict:
         cfg = self.base.zero_config()
+        cfg["optimizer"]["type"] = self.optimizer_type
         if not offload:
             return cfg
         zero = cfg["zero_optimization"]
@@ -327,6 +330,7 @@ def run_strict(case: OffloadCase, nvme_dir: str, work: str) -> dict:
     from hf_zero.checkpoint.sharded import save_checkpoint
     from tests.strict_collectives import StrictCollectiveError, stats
 
+    before = dict(stats)
     engine = hf_zero.initialize(tiny_model(case.model), case.zero_config(nvme_dir))
     data = make_data(case.steps, case.gas, dist.get_world_size(), case.base.micro, case.base.seq)
     out: dict = {"norms": None, "exported": None, "errors": {}}
@@ -339,10 +343,15 @@ def run_strict(case: OffloadCase, nvme_dir: str, work: str) -> dict:
     for phase, run in phases.items():
         try:
             run()
-        except StrictCollectiveError as exc:
-            out["errors"][phase] = str(exc)
+        except Exception as exc:  # noqa: BLE001 -- a strict error, possibly re-raised as another
+            cause = exc
+            while cause is not None and not isinstance(cause, StrictCollectiveError):
+                cause = cause.__cause__
+            if cause is None:
+                raise
+            out["errors"][phase] = str(cause)
     engine.close()
-    out["stats"] = dict(stats)
+    out["stats"] = {key: value - before[key] for key, value in stats.items()}  # this case's own
     return out
 
 

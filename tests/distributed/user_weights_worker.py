@@ -93,6 +93,9 @@ def lora_on_bf16(workdir: str, seed: int):
 
 
 def main() -> None:
+    from tests.strict_collectives import install_from_env
+
+    install_from_env()  # HF_ZERO_STRICT_COLLECTIVES=1 (tests/distributed/_launch.py sets it by default)
     workdir, out_path = sys.argv[1], sys.argv[2]
     dist.init_process_group("gloo")
     rank = dist.get_rank()
