@@ -50,6 +50,7 @@ CASES: dict[str, tuple[dict, str]] = {
     "zero1_fp32": ({"stage": 1}, "fp32"),
     "zero2_fp32": ({"stage": 2}, "fp32"),
     "zero2_bf16": ({"stage": 2}, "bf16"),
+    "zero2_fp16": ({"stage": 2}, "fp16"),
     "zero3_fp32": ({"stage": 3, "stage3_gather_16bit_weights_on_model_save": False}, "fp32"),
     # Small sub-groups: several fp32_flat_groups per rank.
     "zero3_bf16": ({"stage": 3, "sub_group_size": 300, "stage3_gather_16bit_weights_on_model_save": False}, "bf16"),
@@ -70,6 +71,8 @@ def ds_config(zero: dict, dtype: str) -> dict:
     }
     if dtype == "bf16":
         config["bf16"] = {"enabled": True}
+    if dtype == "fp16":  # dynamic loss scaling, a small first scale (DeepSpeed's fp16 runs on its CPU accelerator)
+        config["fp16"] = {"enabled": True, "initial_scale_power": 8, "loss_scale_window": 2}
     return config
 
 
@@ -90,12 +93,12 @@ def worker(case: str, out_dir: str) -> None:
                   lr_scheduler_type="linear", seed=7, report_to="none", disable_tqdm=True, save_only_model=False)
     args = transformers.TrainingArguments(**common, bf16=False, deepspeed=config,
                                           accelerator_config={"use_configured_state": True})
-    if dtype == "bf16":
+    if dtype in ("bf16", "fp16"):
         from accelerate.utils import DeepSpeedPlugin
         from transformers.integrations.deepspeed import HfTrainerDeepSpeedConfig
 
-        args.bf16 = True
-        args.mixed_precision = "bf16"
+        setattr(args, dtype, True)
+        args.mixed_precision = dtype
         args.hf_deepspeed_config = HfTrainerDeepSpeedConfig(config)
         args.hf_deepspeed_config.trainer_config_process(args)
         args.deepspeed_plugin = DeepSpeedPlugin(hf_ds_config=args.hf_deepspeed_config)

@@ -60,7 +60,7 @@ def assert_same_tensors(got: dict, ref: dict, *, dtype: torch.dtype | None = Non
 
 
 def test_fixtures_are_deepspeed_0_19_8():
-    assert CASES == ["zero1_fp32", "zero2_bf16", "zero2_fp32", "zero3_bf16", "zero3_fp32"]
+    assert CASES == ["zero1_fp32", "zero2_bf16", "zero2_fp16", "zero2_fp32", "zero3_bf16", "zero3_fp32"]
     for case in CASES:
         assert manifest(case)["deepspeed_version"] == "0.19.8"
         assert find_deepspeed_checkpoint(checkpoint(case)).ds_version == "0.19.8"
@@ -274,6 +274,9 @@ def test_restricted_loader_admits_only_deepspeeds_names():
     assert sd["loss_scaler"].cur_scale == 1.0
     first = next(iter(sd["param_slice_mappings"][0].values()))
     assert (first.numel, first.start) == (333, 0)  # transformer.wte.weight (37 x 9) at the buffer's start
+    fp16 = load_deepspeed_file(checkpoint("zero2_fp16") / "global_step2" / "zero_pp_rank_1_mp_rank_00_optim_states.pt")
+    scaler = fp16["optimizer_state_dict"]["loss_scaler"]  # DynamicLossScaler: fp16 with dynamic loss scaling
+    assert (scaler.cur_scale, scaler.dynamic, scaler.scale_window, scaler.cur_iter) == (256, True, 2, 2)
 
 
 # ----------------------------------------------------------------------------------------------- errors

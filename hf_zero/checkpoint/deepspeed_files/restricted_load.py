@@ -22,7 +22,8 @@ import torch
 
 from hf_zero.checkpoint.errors import CheckpointError
 
-__all__ = ["DEEPSPEED_GLOBALS", "FragmentAddress", "LossScalerState", "ZeroStage", "load_deepspeed_file"]
+__all__ = ["DEEPSPEED_GLOBALS", "DynamicLossScalerState", "FragmentAddress", "LossScalerState", "ZeroStage",
+           "load_deepspeed_file"]
 
 
 class ZeroStage(enum.IntEnum):
@@ -53,10 +54,19 @@ class LossScalerState:
         return f"LossScalerState({self.__dict__!r})"
 
 
+class DynamicLossScalerState(LossScalerState):
+    """Stand-in for ``deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler`` (fp16 with dynamic loss
+    scaling): ``cur_scale``, ``cur_iter``, ``last_overflow_iter``, ``scale_window``, ... as pickled."""
+
+    def __repr__(self) -> str:
+        return f"DynamicLossScalerState({self.__dict__!r})"
+
+
 DEEPSPEED_GLOBALS: dict[str, type] = {
     "deepspeed.runtime.zero.config.ZeroStageEnum": ZeroStage,
     "deepspeed.utils.tensor_fragment.fragment_address": FragmentAddress,
     "deepspeed.runtime.fp16.loss_scaler.LossScaler": LossScalerState,
+    "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler": DynamicLossScalerState,
 }
 """The DeepSpeed names DeepSpeed 0.19.8's ZeRO checkpoint files pickle, and what each becomes here.
 (``collections.OrderedDict``, ``torch.Size`` and ``torch._tensor._rebuild_from_type_v2`` are in
