@@ -5,7 +5,8 @@ dependency of hf_zero)::
 
     /tmp/ds-venv/bin/python scripts/make_deepspeed_fixtures.py [--out tests/unit/data/deepspeed_checkpoints] [--keep_full]
 
-For each case (ZeRO stage x dtype) it trains a tiny GPT-2 (hidden 9, vocabulary 37, MLP 21: odd
+For each case (ZeRO stage x dtype: ZeRO-1/2/3 fp32, ZeRO-2/3 bf16, ZeRO-2 fp16 with dynamic loss
+scaling, which DeepSpeed runs on its CPU accelerator) it trains a tiny GPT-2 (hidden 9, vocabulary 37, MLP 21: odd
 sizes, so DeepSpeed pads its flat buffers and ZeRO-3's per-rank pieces) for 4 steps on 2 CPU ranks
 with gloo (in bf16 with the position embedding frozen), under transformers' ``Trainer`` with ``deepspeed=ds.json`` and ``save_steps=2``, exactly
 as a user's ``--deepspeed`` run does. It keeps ``checkpoint-2/`` and runs DeepSpeed's own
