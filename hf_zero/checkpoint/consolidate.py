@@ -224,7 +224,11 @@ def _consolidate_deepspeed(layout: Any, out: str, target: torch.dtype | None, ma
         bar = tqdm(total=len(names), desc="Consolidating", unit="tensor", disable=not progress)
         for filename, keys in plan.files.items():
             read = weights.read(dict.fromkeys(source[k] for k in keys))  # one rank file at a time
-            shard = {k: read[source[k]].to(out_dtype(k)).clone() for k in keys}
+            shard: dict[str, torch.Tensor] = {}
+            for k in keys:
+                value = read[source[k]].to(out_dtype(k))
+                # A shared parameter's second name gets a copy: safetensors holds no shared tensors.
+                shard[k] = value.clone() if any(v.data_ptr() == value.data_ptr() for v in shard.values()) else value
             write_safetensors(os.path.join(tmp, filename), shard)
             bar.update(len(keys))
             del shard, read
