@@ -377,3 +377,22 @@ def test_fixture_regenerated_with_deepspeed_reads_the_same(tmp_path):
     got.update({alias: got[target] for alias, target in weights.aliases.items()})
     ref = torch.load(tmp_path / "zero3_bf16" / "zero_to_fp32" / "pytorch_model.bin", weights_only=True)
     assert_same_tensors({n: t.float() for n, t in got.items()}, ref)
+
+
+def test_a_partition_cut_short_is_an_error_not_garbage(tmp_path):
+    """Rank 1's fp32 partition one value short (its group_paddings one larger, as if padded): the
+    values of the parameter it ends are not all in the files, so reading refuses instead of
+    returning uninitialised memory."""
+    ckpt = copy_checkpoint("zero2_fp32", tmp_path)
+    path = ckpt / "global_step2" / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    optim = load_deepspeed_file(path, mmap=False)
+    sd = optim["optimizer_state_dict"]
+    sd["single_partition_of_fp32_groups"][0] = sd["single_partition_of_fp32_groups"][0][:-1].clone()
+    sd["group_paddings"][0] += 1
+    sd["zero_stage"] = 2
+    for key in ("loss_scaler", "param_slice_mappings"):
+        sd.pop(key)
+    torch.save({"optimizer_state_dict": sd}, path)
+    weights = DeepSpeedWeights(find_deepspeed_checkpoint(ckpt))
+    with pytest.raises(CheckpointError, match="cover .* values of 'transformer.h.0.mlp.c_proj.weight'"):
+        weights.read(weights.entries)

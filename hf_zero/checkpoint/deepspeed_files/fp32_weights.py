@@ -136,6 +136,8 @@ class DeepSpeedWeights:
                 offset += math.prod(shape) + (paddings[g][i] if paddings is not None else 0)
             ends.append(offset)
         flats = {n: out[n].view(-1) for n in names}
+        copied = dict.fromkeys(names, 0)  # values written per tensor: each must be covered exactly once
+        sizes: list[int] | None = None
         for rank, path in enumerate(self.layout.optim_files):
             sd = self._optimizer_dict(path, "single_partition_of_fp32_groups")
             parts = sd["single_partition_of_fp32_groups"]
@@ -145,8 +147,14 @@ class DeepSpeedWeights:
             if len(parts) != len(self.param_groups):
                 raise self._bad_file(path, "single_partition_of_fp32_groups",
                                      f"has {len(parts)} groups, param_shapes {len(self.param_groups)}")
+            rank_sizes = [part.numel() + pad for part, pad in zip(parts, paddings)]
+            if sizes is None:
+                sizes = rank_sizes
+            elif rank_sizes != sizes:
+                raise self._bad_file(path, "single_partition_of_fp32_groups", f"with group_paddings makes partitions "
+                                     f"of {rank_sizes} values, rank 0's are {sizes}: files of different runs are mixed")
             for g, part in enumerate(parts):
-                size = part.numel() + paddings[g]  # the partition, padding included: the same on every rank
+                size = rank_sizes[g]  # the partition, padding included: the same on every rank
                 start, stop = rank * size, rank * size + part.numel()
                 if stop > start and ends[g] > self.layout.world_size * size:
                     raise self._bad_file(path, "single_partition_of_fp32_groups",
@@ -159,7 +167,13 @@ class DeepSpeedWeights:
                     lo, hi = max(offset, start), min(offset + numel, stop)
                     if lo < hi:
                         flats[name][lo - offset:hi - offset].copy_(part[lo - start:hi - start])
+                        copied[name] += hi - lo
             del sd, parts
+        short = [n for n in names if copied[n] != flats[n].numel()]
+        if short:
+            raise self._bad_file(self.layout.optim_files[-1], "single_partition_of_fp32_groups",
+                                 f"and the other ranks' cover {copied[short[0]]} of the {flats[short[0]].numel()} values "
+                                 f"of {short[0]!r} (padding where DeepSpeed puts none, or a partition cut short)")
 
     @property
     def _alignment_paddings(self) -> list[list[int]] | None:
