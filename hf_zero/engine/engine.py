@@ -344,24 +344,35 @@ class ZeroEngine:
             torch.nn.utils.clip_grads_with_norm_(self._trainable_params(), max_norm, norm)
 
     def _unscale_and_check_overflow(self) -> bool:
-        """Unscale fp16 gradients once per update and agree on overflow across ranks."""
+        """Agree on overflow across ranks, then unscale fp16 gradients (once per update).
+
+        The check reads the accumulated gradients still scaled, as DeepSpeed's fp16 accumulator
+        would hold them: an inf/nan, or a value fp16 cannot hold, skips the step. hf_zero sums the
+        micro-steps in fp32, so a value past fp16's range is finite here and has to be asked for
+        (``held_in``). What remains different: DeepSpeed's running fp16 sum rounds at each
+        micro-step and can overflow on the way to a final sum that fits (gradients of opposite
+        signs), which an fp32 sum cannot.
+        """
         if self._overflow is not None:
             return self._overflow
         from hf_zero.precision.loss_scaler import grads_have_inf_or_nan
 
         scale = self.loss_scaler.loss_scale
+        held_in = self.precision.compute_dtype
         owner = self._grad_owner()
         if owner is not None:
-            if scale != 1.0:
-                owner.unscale_grads_(1.0 / scale)
-            found = owner.grads_have_inf_or_nan() if self.loss_scaler.dynamic else False
-            self._overflow = all_reduce_flag(found, self.env.device) if self.loss_scaler.dynamic else False
-            return self._overflow
-        grads = [p.grad for p in self._trainable_params()]
-        if scale != 1.0 and grads:
-            torch._foreach_mul_([local_tensor(g) for g in grads], 1.0 / scale)
-        found = grads_have_inf_or_nan(grads) if self.loss_scaler.dynamic else False
+            found = owner.grads_have_inf_or_nan(held_in=held_in) if self.loss_scaler.dynamic else False
+        else:
+            found = grads_have_inf_or_nan([p.grad for p in self._trainable_params()],
+                                          held_in=held_in) if self.loss_scaler.dynamic else False
         self._overflow = all_reduce_flag(found, self.env.device) if self.loss_scaler.dynamic else False
+        if scale != 1.0 and not self._overflow:  # an overflowed window is dropped, not unscaled
+            if owner is not None:
+                owner.unscale_grads_(1.0 / scale)
+            else:
+                grads = [local_tensor(p.grad) for p in self._trainable_params()]
+                if grads:
+                    torch._foreach_mul_(grads, 1.0 / scale)
         return self._overflow
 
     def _total_grad_norm(self, norm_type: float = 2.0) -> torch.Tensor:

@@ -103,8 +103,9 @@ class GradientOwner(Protocol):
     def unscale_grads_(self, inv_scale: float) -> None:
         """Multiply every gradient this rank holds by ``inv_scale`` (fp16 loss-scale removal)."""
 
-    def grads_have_inf_or_nan(self) -> bool:
-        """Whether any gradient this rank holds is not finite (this rank only, no collective)."""
+    def grads_have_inf_or_nan(self, held_in: torch.dtype | None = None) -> bool:
+        """Whether any gradient this rank holds is not finite, or would round to inf in ``held_in``
+        (this rank only, no collective)."""
 
     def total_grad_norm(self, norm_type: float = 2.0) -> torch.Tensor:
         """The global gradient norm over all ranks (a collective: every rank must call it)."""

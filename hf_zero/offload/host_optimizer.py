@@ -353,10 +353,12 @@ class OffloadedOptimizer(_NvmeChunks, _OptimizerCheckpoint, _OwnerBroadcast, tor
         if grads:
             torch._foreach_mul_(grads, inv_scale)
 
-    def grads_have_inf_or_nan(self) -> bool:
+    def grads_have_inf_or_nan(self, held_in: torch.dtype | None = None) -> bool:
+        """Whether this rank's accumulated gradients overflowed (``held_in``: see the engine's
+        check; the staged adds of every micro-step have landed before this reads them)."""
         from hf_zero.precision.loss_scaler import grads_have_inf_or_nan
 
-        return bool(grads_have_inf_or_nan(self._all_grads()))
+        return bool(grads_have_inf_or_nan(self._all_grads(), held_in=held_in))
 
     def total_grad_norm(self, norm_type: float = 2.0) -> torch.Tensor:
         """Norm over every rank's gradients, with the arithmetic of the engine's non-offloaded path

@@ -97,7 +97,8 @@ class _FsdpGradFeed:
     gradient is checked against FSDP2's own cast (on the device, without a synchronization; the
     optimizer step reads the verdict once: :meth:`verify_layout`), so a torch that lays the
     buffer out differently fails with a clear error before any update instead of training on
-    wrong gradients.
+    wrong gradients. A window the fp16 loss scaler skips proves nothing (its gradients may be all
+    nan, which compare equal here), so its parameters are checked again in the next one.
 
     The reduce-scatter output (4 bytes x the unit's elements / N) is dropped as soon as its last
     parameter's gradient has been copied to the host (and, in any case, by :meth:`release`, which
@@ -109,7 +110,8 @@ class _FsdpGradFeed:
         self._world = world
         self._flat: torch.Tensor | None = None
         self._cursor = 0
-        self._checks_left = len(params)  # each parameter's first gradient
+        self._unchecked = {id(p) for p in params}  # until a stepped window has checked them
+        self._checked_now: set[int] = set()  # checked in the window being accumulated
         self._layout_bad: torch.Tensor | None = None  # a device flag: no sync per gradient
         self._modules = fsdp_modules
         self._host_copies = HostGradCopies(fsdp_modules)  # FSDP2's own copies to host (offload_param: cpu)
@@ -143,11 +145,13 @@ class _FsdpGradFeed:
                 )
             exact = flat[self._cursor : self._cursor + n].view(local.shape)
             self._cursor += _padded_shard_numel(param, self._world)
-            if self._checks_left > 0:
-                self._checks_left -= 1
+            if id(param) in self._unchecked:
+                self._checked_now.add(id(param))
                 # (with FSDP2's CPU offload policy the 16-bit gradient is a host copy)
                 self._host_copies.wait(param, local)
-                bad = (exact.to(device=local.device, dtype=local.dtype) != local).any()
+                # nan == nan here: an fp16 overflow casts nan to nan (and the step is skipped)
+                mine = exact.to(device=local.device, dtype=local.dtype)
+                bad = ((mine != local) & ~(mine.isnan() & local.isnan())).any()
                 self._layout_bad = bad if self._layout_bad is None else self._layout_bad | bad
         self._opt.accumulate_grad(param, exact)
         if exact is local:
@@ -163,6 +167,8 @@ class _FsdpGradFeed:
         """Before the optimizer step: raise if a checked gradient differed from FSDP2's cast (one
         synchronization, on the steps whose backward checked something)."""
         bad, self._layout_bad = self._layout_bad, None
+        self._unchecked -= self._checked_now  # a window that is stepped counts as checked
+        self._checked_now = set()
         if bad is not None and bool(bad):
             raise OffloadError(
                 f"FSDP2's reduce-scatter output is not laid out as hf_zero expects (torch {torch.__version__}); "

@@ -1,9 +1,16 @@
 """fp16 loss scaling as a pure state machine.
 
 The scaler knows nothing of ranks or collectives: the engine multiplies the loss by
-``loss_scale``, unscales the gradients, checks them with :func:`grads_have_inf_or_nan`, all-reduces
-that flag across ranks, and hands the agreed ``overflow`` to ``update_scale``. A step with an
-overflow is skipped (no optimizer step, no scheduler step).
+``loss_scale``, checks the accumulated (still scaled) gradients with :func:`grads_have_inf_or_nan`,
+all-reduces that flag across ranks, hands the agreed ``overflow`` to ``update_scale`` and unscales.
+A step with an overflow is skipped (no optimizer step, no scheduler step).
+
+What counts as an overflow follows DeepSpeed, whose fp16 gradients accumulate over micro-steps in
+fp16 (``data_types.grad_accum_dtype`` defaults to the model dtype at every ZeRO stage, with or
+without offload) and are checked for inf/nan once, at the accumulation boundary. hf_zero accumulates
+in fp32, so it asks the equivalent question of its fp32 sum: does it hold an inf/nan, or a value
+that fp16 cannot hold (``held_in=torch.float16``)? Judging each micro-step instead would let a sum
+of four in-range quarter gradients through where one batch of the same size overflows.
 
 :class:`DynamicLossScaler` reproduces ``DynamicLossScaler.update_scale`` in DeepSpeed's
 ``deepspeed/runtime/fp16/loss_scaler.py`` (microsoft/DeepSpeed) step for step, including its
@@ -12,6 +19,7 @@ iteration bookkeeping, so a run shows the same scale sequence as under DeepSpeed
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from typing import Any, Protocol
 
@@ -25,6 +33,7 @@ __all__ = [
     "StaticLossScaler",
     "build_loss_scaler",
     "grads_have_inf_or_nan",
+    "rounds_to_inf_from",
 ]
 
 
@@ -251,7 +260,19 @@ def build_loss_scaler(fp16: FP16Config, enabled: bool) -> StaticLossScaler | Dyn
     )
 
 
-def grads_have_inf_or_nan(tensors: Iterable[torch.Tensor | None]) -> torch.Tensor:
+def rounds_to_inf_from(dtype: torch.dtype) -> float:
+    """The smallest magnitude that rounds to inf when cast to ``dtype`` (round to nearest even).
+
+    Half an ulp above ``finfo(dtype).max``: a tie between the largest finite value (odd mantissa,
+    all ones) and the next power of two goes to the even one, infinity. 65520.0 for fp16.
+    """
+    info = torch.finfo(dtype)
+    top_binade = 2.0 ** math.floor(math.log2(info.max))
+    return float(info.max) + top_binade * float(info.eps) / 2
+
+
+def grads_have_inf_or_nan(tensors: Iterable[torch.Tensor | None], *,
+                          held_in: torch.dtype | None = None) -> torch.Tensor:
     """Whether any of this rank's gradients holds an inf or a nan.
 
     Only local data is read: for a DTensor, its local shard. The caller all-reduces the result
@@ -259,6 +280,9 @@ def grads_have_inf_or_nan(tensors: Iterable[torch.Tensor | None]) -> torch.Tenso
 
     Args:
         tensors: Gradients (None entries are skipped), plain tensors or DTensors.
+        held_in: Also count a value as an overflow when it would round to inf in this dtype: the
+            engine passes fp16 for gradients it accumulated in fp32 where DeepSpeed keeps an fp16
+            sum (see the module docstring).
 
     Returns:
         A 0-dim bool tensor, on the device of the first gradient (CPU if there is none); computing
@@ -273,11 +297,16 @@ def grads_have_inf_or_nan(tensors: Iterable[torch.Tensor | None]) -> torch.Tenso
             by_device.setdefault(local.device, []).append(local)
     if not by_device:
         return torch.zeros((), dtype=torch.bool)
+    limit = rounds_to_inf_from(held_in) if held_in is not None else None
     flags = []
     for device_tensors in by_device.values():
         # The max-abs of a tensor is inf if it holds an inf and nan if it holds a nan: one fused
-        # reduction per device instead of an isfinite() mask per tensor.
+        # reduction per device instead of an isfinite() mask per tensor. (The max of fp32 values
+        # is exact, so comparing it with the fp16 limit decides as an fp16 cast would.)
         amax = torch.stack([n.float() for n in torch._foreach_norm(device_tensors, ord=float("inf"))])
-        flags.append(~torch.isfinite(amax).all())
+        bad = ~torch.isfinite(amax)
+        if limit is not None:
+            bad = bad | (amax >= limit)
+        flags.append(bad.any())
     first = flags[0]
     return torch.stack([f.to(first.device) for f in flags]).any()
