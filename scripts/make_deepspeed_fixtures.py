@@ -45,6 +45,8 @@ STEPS = 4
 SAVE_STEPS = 2
 PRUNED = ("zero_to_fp32.py", "zero_to_torch.py", "model.safetensors", "training_args.bin", "rng_state_0.pth", "rng_state_1.pth")
 SEQ = 8
+# Cases that also keep DeepSpeed's per-parameter optimizer state (ds_to_universal) as a reference.
+UNIVERSAL_CASES = ("zero2_bf16", "zero2_fp16", "zero3_bf16")
 
 # name -> (zero_optimization section, dtype)
 CASES: dict[str, tuple[dict, str]] = {
@@ -124,6 +126,34 @@ def worker(case: str, out_dir: str) -> None:
 
 
 # ----------------------------------------------------------------------------------------------- driver
+def universal_reference(tag_dir: Path, dest: Path) -> None:
+    """DeepSpeed's own per-parameter optimizer state: ``ds_to_universal`` (``--inject_missing_state``:
+    a Trainer run records no ``universal_checkpoint_info``) on a copy of ``tag_dir``, its
+    ``zero/<name>/{fp32,exp_avg,exp_avg_sq,step}.pt`` gathered into ``dest/optimizer_state.pt`` =
+    ``{name: {"fp32", "exp_avg", "exp_avg_sq", "step"}}`` (tensors only; the full folder is 45 small files)."""
+    import torch
+
+    work = Path(tempfile.mkdtemp(prefix="ds-universal-"))
+    try:
+        shutil.copytree(tag_dir, work / tag_dir.name)
+        subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
+                        str(work / tag_dir.name), "--output_folder", str(work / "universal"), "--num_extract_workers",
+                        "1", "--num_merge_workers", "1", "--inject_missing_state"], check=True)
+        state = {}
+        for folder in sorted((work / "universal" / "zero").iterdir()):
+            if folder.is_dir():
+                state[folder.name] = {}
+                for key in ("fp32", "exp_avg", "exp_avg_sq", "step"):
+                    if not (folder / f"{key}.pt").is_file():  # a shared parameter's folder (lm_head.weight): fp32 only
+                        continue
+                    value = torch.load(folder / f"{key}.pt", weights_only=False)  # DeepSpeed's own output
+                    state[folder.name][key] = value["param"] if isinstance(value, dict) else value
+        dest.mkdir(parents=True, exist_ok=True)
+        torch.save(state, dest / "optimizer_state.pt")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
 def make_case(case: str, out_root: Path, keep_full: bool) -> dict:
     import deepspeed
     import torch
@@ -147,6 +177,8 @@ def make_case(case: str, out_root: Path, keep_full: bool) -> dict:
     # safe_serialization=False: DeepSpeed 0.19.8's safetensors path raises on tied weights ("Some tensors
     # share memory": GPT-2's lm_head.weight is transformer.wte.weight); its torch.save path writes both names.
     convert_zero_checkpoint_to_fp32_state_dict(str(checkpoint), str(dest / "zero_to_fp32"), safe_serialization=False)
+    if case in UNIVERSAL_CASES:
+        universal_reference(checkpoint / f"global_step{SAVE_STEPS}", dest / "universal")
     pruned = []
     if not keep_full:
         for name in PRUNED:
@@ -167,7 +199,9 @@ def make_case(case: str, out_root: Path, keep_full: bool) -> dict:
         "losses": json.loads((work / "out" / "losses.json").read_text()),
         "pruned": pruned,
         "reference": "zero_to_fp32/: deepspeed.utils.zero_to_fp32.convert_zero_checkpoint_to_fp32_state_dict"
-                     f"(checkpoint-{SAVE_STEPS}, safe_serialization=False) before pruning",
+                     f"(checkpoint-{SAVE_STEPS}, safe_serialization=False) before pruning"
+                     + ("; universal/optimizer_state.pt: deepspeed.checkpoint.ds_to_universal --inject_missing_state, "
+                        "per parameter fp32/exp_avg/exp_avg_sq/step" if case in UNIVERSAL_CASES else ""),
         "files": files,
     }
     (dest / "MANIFEST.json").write_text(json.dumps(record, indent=1) + "\n")
@@ -184,8 +218,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=str(DEFAULT_OUT))
     parser.add_argument("--cases", default=",".join(CASES), help=f"comma-separated, of {', '.join(CASES)}")
     parser.add_argument("--keep_full", action="store_true", help="do not prune the checkpoints")
+    parser.add_argument("--universal_only", action="store_true",
+                        help="only (re)make the ds_to_universal reference of the existing cases in --out")
     args = parser.parse_args(argv)
     out = Path(args.out)
+    if args.universal_only:
+        for case in args.cases.split(","):
+            if case in UNIVERSAL_CASES:
+                universal_reference(out / case / f"checkpoint-{SAVE_STEPS}" / f"global_step{SAVE_STEPS}", out / case / "universal")
+        return 0
     for case in args.cases.split(","):
         record = make_case(case, out, args.keep_full)
         print(f"{case}: {sum(record['files'].values())} bytes, losses {record['losses']}", flush=True)

@@ -105,6 +105,31 @@ def test_fp32_weights_equal_deepspeeds_zero_to_fp32(case):
     assert_same_tensors({n: t.float() for n, t in got.items()}, ref)
 
 
+UNIVERSAL = ["zero2_bf16", "zero2_fp16", "zero3_bf16"]
+
+
+@pytest.mark.parametrize("case", UNIVERSAL)
+def test_optimizer_state_equals_deepspeeds_universal_conversion(case):
+    """Adam's exp_avg/exp_avg_sq/step per parameter, against DeepSpeed's own ds_to_universal output
+    (universal/optimizer_state.pt; at ZeRO-3 it stores flat tensors and no step)."""
+    ref = torch.load(DATA / case / "universal" / "optimizer_state.pt", weights_only=True)
+    weights = DeepSpeedWeights(find_deepspeed_checkpoint(checkpoint(case)))
+    trained = [n for n, e in weights.entries.items() if e.kind == "trained"]
+    assert sorted(trained) == sorted(n for n, v in ref.items() if "exp_avg" in v)
+    state = weights.read_optimizer_state(trained)
+    masters = weights.read(trained)
+    for name in trained:
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert state[name][key].shape == weights.entries[name].shape
+            assert torch.equal(state[name][key].reshape(-1), ref[name][key].reshape(-1)), (name, key)
+        assert torch.equal(masters[name].reshape(-1), ref[name]["fp32"].reshape(-1)), name
+        assert state[name]["step"].item() == 2.0  # 2 optimizer steps before checkpoint-2 (no fp16 overflow)
+        if "step" in ref[name]:
+            assert torch.equal(state[name]["step"], ref[name]["step"].reshape(())), name
+    with pytest.raises(KeyError, match="not a trained parameter"):
+        weights.read_optimizer_state(["lm_head.weight"])
+
+
 def test_world_size_other_than_two_and_rank_order(tmp_path):
     """An 11-rank ZeRO-3 layout cut from the reference by DeepSpeed's rule (ceil(numel/11) per rank,
     the last padded): rank files sort by number (rank 10 after rank 9, not after rank 1)."""

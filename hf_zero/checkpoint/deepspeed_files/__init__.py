@@ -6,7 +6,7 @@ without running code from them.
 - :mod:`.layout`: which files, which ZeRO stage, how many ranks, bf16 or not; the layouts hf_zero
   does not read are errors that say what to do.
 - :mod:`.fp32_weights`: the full fp32 tensors, with the names and values of DeepSpeed's
-  ``zero_to_fp32``.
+  ``zero_to_fp32``, and Adam's per-parameter state (those of DeepSpeed's ``ds_to_universal``).
 
 Used by ``hf-zero consolidate`` (:mod:`hf_zero.checkpoint.consolidate`) and
 ``deepspeed.utils.zero_to_fp32``'s functions (:mod:`hf_zero.deepspeed_api.zero_to_fp32`).

@@ -16,7 +16,10 @@ the optimizer files, then the shared parameters (``shared_params``: ``lm_head.we
   through its ``fp32_flat_groups`` (its sub-groups).
 
 :meth:`DeepSpeedWeights.read` reads the optimizer files one rank at a time (memory-mapped), copying
-each rank's pieces of the requested tensors into place.
+each rank's pieces of the requested tensors into place. :meth:`DeepSpeedWeights.read_optimizer_state`
+does the same for Adam's ``exp_avg``/``exp_avg_sq`` (ZeRO-1/2: ``base_optimizer_state.state[g]``, the
+partition with its padding; ZeRO-3: ``optimizer_state_dict.state[i]``, as long as sub-group ``i``) and
+its ``step``: the per-parameter state DeepSpeed's ``ds_to_universal`` writes, for a resume.
 """
 
 from __future__ import annotations
@@ -34,6 +37,8 @@ from hf_zero.checkpoint.deepspeed_files.restricted_load import load_deepspeed_fi
 from hf_zero.checkpoint.errors import CheckpointError
 
 __all__ = ["DeepSpeedWeights", "WeightEntry"]
+
+_MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
 @dataclass(frozen=True)
@@ -116,13 +121,32 @@ class DeepSpeedWeights:
             self._read_zero3_frozen(frozen, out)
         trained = [n for n in names if self.entries[n].kind == "trained"]
         if trained:
-            if self.layout.stage == 3:
-                self._read_zero3(trained, out)
-            else:
-                self._read_zero12(trained, out)
+            self._read_trained(trained, {"fp32": out})
         return out
 
-    def _read_zero12(self, names: list[str], out: dict[str, torch.Tensor]) -> None:
+    def read_optimizer_state(self, names: Iterable[str]) -> dict[str, dict[str, torch.Tensor]]:
+        """Adam's state of the trained parameters ``names``, full size: ``{name: {"exp_avg",
+        "exp_avg_sq", "step"}}`` (``step``: that of the parameter's group or sub-group, a 0-dim
+        tensor), laid out as the fp32 masters are, one rank's file at a time."""
+        names = list(names)
+        untrained = [n for n in names if n not in self.entries or self.entries[n].kind != "trained"]
+        if untrained:
+            raise KeyError(f"no optimizer state (not a trained parameter of the checkpoint): {', '.join(untrained[:5])}")
+        outs = {key: {n: torch.empty(self.entries[n].shape, dtype=torch.float32) for n in names}
+                for key in _MOMENTS}
+        steps: dict[str, torch.Tensor] = {}
+        self._read_trained(names, outs, steps)
+        return {n: {**{key: outs[key][n] for key in _MOMENTS}, "step": steps[n]} for n in names}
+
+    def _read_trained(self, names: list[str], outs: dict[str, dict[str, torch.Tensor]],
+                      steps: dict[str, torch.Tensor] | None = None) -> None:
+        if self.layout.stage == 3:
+            self._read_zero3(names, outs, steps)
+        else:
+            self._read_zero12(names, outs, steps)
+
+    def _read_zero12(self, names: list[str], outs: dict[str, dict[str, torch.Tensor]],
+                     steps: dict[str, torch.Tensor] | None) -> None:
         # Flat offset of each wanted parameter in its group's buffer.
         where: dict[str, tuple[int, int]] = {}
         ends: list[int] = []
@@ -135,7 +159,7 @@ class DeepSpeedWeights:
                     where[name] = (g, offset)
                 offset += math.prod(shape) + (paddings[g][i] if paddings is not None else 0)
             ends.append(offset)
-        flats = {n: out[n].view(-1) for n in names}
+        flats = {key: {n: out[n].view(-1) for n in names} for key, out in outs.items()}
         copied = dict.fromkeys(names, 0)  # values written per tensor: each must be covered exactly once
         sizes: list[int] | None = None
         for rank, path in enumerate(self.layout.optim_files):
@@ -153,6 +177,10 @@ class DeepSpeedWeights:
             elif rank_sizes != sizes:
                 raise self._bad_file(path, "single_partition_of_fp32_groups", f"with group_paddings makes partitions "
                                      f"of {rank_sizes} values, rank 0's are {sizes}: files of different runs are mixed")
+            sources = {key: parts if key == "fp32" else self._zero12_moments(path, sd, key, parts) for key in outs}
+            if steps is not None and rank == 0:
+                for name, (g, _) in where.items():
+                    steps[name] = self._step(path, sd["base_optimizer_state"]["state"][g])
             for g, part in enumerate(parts):
                 size = rank_sizes[g]  # the partition, padding included: the same on every rank
                 start, stop = rank * size, rank * size + part.numel()
@@ -163,17 +191,28 @@ class DeepSpeedWeights:
                 for name, (gi, offset) in where.items():
                     if gi != g:
                         continue
-                    numel = flats[name].numel()
+                    numel = math.prod(self.entries[name].shape)
                     lo, hi = max(offset, start), min(offset + numel, stop)
                     if lo < hi:
-                        flats[name][lo - offset:hi - offset].copy_(part[lo - start:hi - start])
+                        for key, source in sources.items():
+                            flats[key][name][lo - offset:hi - offset].copy_(source[g][lo - start:hi - start])
                         copied[name] += hi - lo
-            del sd, parts
-        short = [n for n in names if copied[n] != flats[n].numel()]
+            del sd, parts, sources
+        short = [n for n in names if copied[n] != math.prod(self.entries[n].shape)]
         if short:
             raise self._bad_file(self.layout.optim_files[-1], "single_partition_of_fp32_groups",
-                                 f"and the other ranks' cover {copied[short[0]]} of the {flats[short[0]].numel()} values "
-                                 f"of {short[0]!r} (padding where DeepSpeed puts none, or a partition cut short)")
+                                 f"and the other ranks' cover {copied[short[0]]} of the "
+                                 f"{math.prod(self.entries[short[0]].shape)} values of {short[0]!r} (padding where "
+                                 "DeepSpeed puts none, or a partition cut short)")
+
+    def _zero12_moments(self, path: str, sd: dict, key: str, parts: list[torch.Tensor]) -> list[torch.Tensor]:
+        """``base_optimizer_state.state[g][key]`` of every group: the partition's Adam state, padding included."""
+        base = sd.get("base_optimizer_state")
+        state = base.get("state") if isinstance(base, dict) else None
+        if not isinstance(state, dict) or sorted(state) != list(range(len(parts))):
+            raise self._bad_file(path, "base_optimizer_state", "has not one Adam state per parameter group "
+                                 "(hf_zero reads Adam/AdamW state: exp_avg, exp_avg_sq, step)")
+        return [self._moment(path, state[g], key, part.numel()) for g, part in enumerate(parts)]
 
     @property
     def _alignment_paddings(self) -> list[list[int]] | None:
@@ -188,7 +227,8 @@ class DeepSpeedWeights:
             self._paddings_cache = paddings
         return self._paddings_cache
 
-    def _read_zero3(self, names: list[str], out: dict[str, torch.Tensor]) -> None:
+    def _read_zero3(self, names: list[str], outs: dict[str, dict[str, torch.Tensor]],
+                    steps: dict[str, torch.Tensor] | None) -> None:
         world = self.layout.world_size
         where: dict[str, int] = {}  # offset of the parameter's piece in every rank's flat data
         offset = 0
@@ -199,7 +239,7 @@ class DeepSpeedWeights:
                     where[name] = offset
                 offset += math.ceil(math.prod(shape) / world)
         total = offset
-        flats = {n: out[n].view(-1) for n in names}
+        flats = {key: {n: out[n].view(-1) for n in names} for key, out in outs.items()}
         for rank, path in enumerate(self.layout.optim_files):
             sd = self._optimizer_dict(path, "fp32_flat_groups")
             groups = sd["fp32_flat_groups"]
@@ -209,14 +249,49 @@ class DeepSpeedWeights:
             if bounds[-1] != total:
                 raise self._bad_file(path, "fp32_flat_groups", f"holds {bounds[-1]} values; param_shapes need "
                                      f"{total} per rank at world size {world}")
+            sources = {key: groups if key == "fp32" else self._zero3_moments(path, sd, key, groups) for key in outs}
+            if steps is not None and rank == 0:
+                state = sd["optimizer_state_dict"]["state"]
+                for name, start in where.items():
+                    sub = next(i for i in range(len(groups)) if bounds[i] <= start < bounds[i + 1] or bounds[i + 1] == total)
+                    steps[name] = self._step(path, state[sub])
             for name, start in where.items():
-                numel = flats[name].numel()
+                numel = math.prod(self.entries[name].shape)
                 piece = math.ceil(numel / world)
                 lo = rank * piece  # this rank's piece covers [lo, lo + piece) of the parameter
                 take = min(piece, numel - lo)
                 if take > 0:
-                    flats[name][lo:lo + take].copy_(_span(groups, bounds, start, take))
-            del sd, groups
+                    for key, source in sources.items():
+                        flats[key][name][lo:lo + take].copy_(_span(source, bounds, start, take))
+            del sd, groups, sources
+
+    def _zero3_moments(self, path: str, sd: dict, key: str, groups: list[torch.Tensor]) -> list[torch.Tensor]:
+        """``optimizer_state_dict.state[i][key]`` of every sub-group, each as long as its fp32_flat_groups[i]."""
+        inner = sd.get("optimizer_state_dict")
+        state = inner.get("state") if isinstance(inner, dict) else None
+        if not isinstance(state, dict) or sorted(state) != list(range(len(groups))):
+            raise self._bad_file(path, "optimizer_state_dict", "has not one Adam state per fp32 sub-group "
+                                 "(hf_zero reads Adam/AdamW state: exp_avg, exp_avg_sq, step)")
+        moments = [self._moment(path, state[i], key, t.numel()) for i, t in enumerate(groups)]
+        if any(m.numel() != t.numel() for m, t in zip(moments, groups)):
+            raise self._bad_file(path, f"optimizer_state_dict.state[*][{key!r}]", "is not as long as fp32_flat_groups")
+        return moments
+
+    def _moment(self, path: str, state: Any, key: str, at_least: int) -> torch.Tensor:
+        value = state.get(key) if isinstance(state, dict) else None
+        if not (isinstance(value, torch.Tensor) and value.dim() == 1 and value.dtype == torch.float32
+                and value.numel() >= at_least):
+            raise self._bad_file(path, key, f"is not a flat fp32 tensor of at least {at_least} values "
+                                 "(hf_zero reads Adam/AdamW state: exp_avg, exp_avg_sq, step)")
+        return value
+
+    def _step(self, path: str, state: Any) -> torch.Tensor:
+        step = state.get("step") if isinstance(state, dict) else None
+        if isinstance(step, (int, float)) and not isinstance(step, bool):
+            step = torch.tensor(float(step))
+        if not isinstance(step, torch.Tensor) or step.numel() != 1:
+            raise self._bad_file(path, "step", f"is {step!r}, not Adam's step count")
+        return step.reshape(()).clone()
 
     def _read_zero3_frozen(self, names: list[str], out: dict[str, torch.Tensor]) -> None:
         world = self.layout.world_size
