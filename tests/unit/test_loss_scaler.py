@@ -141,3 +141,16 @@ def test_grads_have_inf_or_nan_reads_dtensor_local_shard(one_rank_mesh):
     bad = distribute_tensor(torch.tensor([[1.0, float("nan")]]), one_rank_mesh, [Shard(0)])
     assert not grads_have_inf_or_nan([good])
     assert grads_have_inf_or_nan([good, bad])
+
+
+def test_held_in_fp16_counts_what_an_fp16_cast_makes_inf():
+    """hf_zero sums micro-steps in fp32 where DeepSpeed keeps an fp16 sum: a value past fp16's range
+    must count as an overflow, exactly where torch's own cast to fp16 gives inf."""
+    edge = torch.tensor(65520.0)
+    values = [edge, edge.nextafter(torch.tensor(0.0)), -edge, torch.tensor(65504.0), torch.tensor(1e5), torch.tensor(1.0)]
+    for v in values:
+        want = bool(torch.isinf(v.half()))
+        assert bool(grads_have_inf_or_nan([torch.ones(3), v.reshape(1)], held_in=torch.float16)) == want, float(v)
+        assert not grads_have_inf_or_nan([v.reshape(1)])  # finite in fp32: only held_in makes it an overflow
+    assert [bool(torch.isinf(v.half())) for v in values] == [True, False, True, False, True, False]
+    assert grads_have_inf_or_nan([torch.tensor([float("nan")])], held_in=torch.float16)
