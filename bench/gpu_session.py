@@ -47,6 +47,10 @@ sys.path.insert(0, str(HERE))
 import _bench_lib as lib  # noqa: E402
 import _gpu_session_lib as plan  # noqa: E402
 
+DEFAULT_CPU_DS_PYTHON = os.environ.get("HF_ZERO_DEEPSPEED_PYTHON", "/tmp/ds-venv/bin/python")
+"""The dry run's DeepSpeed (a separate venv with the same torch: DeepSpeed is never hf_zero's dependency)."""
+OUT_FILES = ("session.md", "session.json", "full.json", "full.png", "lora.json", "lora.png", "logs.tar.gz")
+"""Everything the session writes to --out: 7 files, under the device tool's 8 (the call's tee adds console.log)."""
 _LOG_NAMES = ("log.txt", "spec.json")
 _MAX_LOG_BYTES = 2 * 1024 * 1024
 
@@ -58,11 +62,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--work_dir", default=None,
                    help="models, logs, DeepSpeed's folder (default /tmp/hf_zero_gpu_session-<gpu|cpu>; models are reused)")
     p.add_argument("--ds_python", default=None,
-                   help="a Python that imports deepspeed (default: the wheels of --wheels on a GPU, "
-                        "/tmp/ds-venv/bin/python with --cpu, when there)")
+                   help="a Python that imports deepspeed (default: the wheels of --wheels on a GPU; with --cpu "
+                        "$HF_ZERO_DEEPSPEED_PYTHON or /tmp/ds-venv/bin/python, when there)")
     p.add_argument("--wheels", default=str(REPO / ".whl"), help="the folder bench/make_wheels.sh filled (default .whl/)")
     p.add_argument("--budget_s", type=float, default=None, help="seconds for the whole session (default: the profile's)")
     p.add_argument("--phases", default="env,doctor,full,lora", help="which steps to run (a rerun on a warm machine)")
+    p.add_argument("--only", default=None,
+                   help="comma-separated rows to run, each NAME (in every workload) or WORKLOAD:NAME, e.g. "
+                        "full:ds3_opt_cpu,lora:zero3 (a rerun of a few rows; the quick test); the others are listed as not selected")
     return p
 
 
@@ -199,10 +206,10 @@ def finish_build(build: Build, session: Session) -> bool:
 def run_workload(workload: plan.Workload, session: Session, ds_python: str | None, skip: dict[str, str],
                  deadline: float) -> None:
     """One run_bench.py invocation; its JSON/PNG copied to --out as <workload>.json/.png."""
-    configs = [c for c in workload.configs if c not in skip]
-    for name, why in skip.items():
-        if name in workload.configs:
-            session.record["not_run"][f"{workload.name}:{name}"] = why
+    configs = [c for c in workload.configs if f"{workload.name}:{c}" not in skip]
+    for c in workload.configs:
+        if f"{workload.name}:{c}" in skip:
+            session.record["not_run"][f"{workload.name}:{c}"] = skip[f"{workload.name}:{c}"]
     session.record["plan"][workload.name] = list(workload.configs)
     session.record["workloads"] = {**session.record.get("workloads", {}), workload.name: workload.label}
     if not configs:
@@ -222,11 +229,11 @@ def run_workload(workload: plan.Workload, session: Session, ds_python: str | Non
         payload = json.loads(src.read_text())
         session.record["payloads"][workload.name] = payload
         shutil.copyfile(src, session.out / f"{workload.name}.json")
-        for note in payload.get("notes", []):
-            if note.startswith("DeepSpeed"):
-                for c in configs:
-                    if c.startswith("ds"):
-                        session.record["not_run"].setdefault(f"{workload.name}:{c}", note)
+        ds_notes = " ".join(n for n in payload.get("notes", []) if n.startswith("DeepSpeed"))
+        ran = {r["name"] for r in payload.get("results", [])}
+        for c in configs:
+            if c.startswith("ds") and c not in ran and ds_notes:
+                session.record["not_run"].setdefault(f"{workload.name}:{c}", ds_notes)
     png = bench_out / f"{workload.name}.png"
     if png.exists():
         shutil.copyfile(png, session.out / f"{workload.name}.png")
@@ -298,6 +305,8 @@ def main(argv: list[str] | None = None) -> int:
     deadline = start + (args.budget_s or profile.budget_s)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    for stale in OUT_FILES:  # a local rerun into the same folder must not show the last run's files
+        (out / stale).unlink(missing_ok=True)
     work = Path(args.work_dir or Path(tempfile.gettempdir()) / f"hf_zero_gpu_session-{profile.device}")
     shutil.rmtree(work / "logs", ignore_errors=True)
     for name in ("full", "lora"):
@@ -306,14 +315,23 @@ def main(argv: list[str] | None = None) -> int:
     session = Session(out, work, profile, deadline, argv)
     phases = {p.strip() for p in args.phases.split(",") if p.strip()}
 
+    rows = [f"full:{c}" for c in plan.FULL_CONFIGS] + [f"lora:{c}" for c in plan.LORA_CONFIGS]
+    skip: dict[str, str] = {}  # "workload:name" -> why the row is not run
+    if args.only:
+        chosen = {c.strip() for c in args.only.split(",") if c.strip()}
+        skip.update({r: "not selected (--only)" for r in rows if r not in chosen and r.split(":", 1)[1] not in chosen})
+    ds_rows = [r for r in rows if r.split(":", 1)[1].startswith("ds") and r not in skip]
     ds_python = args.ds_python
-    if ds_python is None and not args.cpu:
-        ds_python = deepspeed_from_wheels(Path(args.wheels), work, session)
-    elif ds_python is None and Path("/tmp/ds-venv/bin/python").exists():
-        ds_python = "/tmp/ds-venv/bin/python"
-    if ds_python is None:
-        session.record["notes"].append("DeepSpeed: no Python with deepspeed (give --ds_python): its rows are not run")
-    build = start_cpu_adam_build(ds_python, session) if ds_python and phases & {"full", "lora"} else None
+    if ds_rows and phases & {"full", "lora"}:
+        if ds_python is None and not args.cpu:
+            ds_python = deepspeed_from_wheels(Path(args.wheels), work, session)
+        elif ds_python is None and Path(DEFAULT_CPU_DS_PYTHON).exists():
+            ds_python = DEFAULT_CPU_DS_PYTHON
+        if ds_python is None:
+            session.record["notes"].append("DeepSpeed: no Python with deepspeed (give --ds_python): its rows are not run")
+            skip.update({c: "no DeepSpeed" for c in ds_rows})
+    # Started first, so that the compiler works while env and doctor run.
+    build = start_cpu_adam_build(ds_python, session) if ds_python and ds_rows and phases & {"full", "lora"} else None
 
     if "env" in phases:
         session.step("env", [sys.executable, "-m", "hf_zero.cli.main", "env", "--json"], profile.env_limit_s,
@@ -326,11 +344,10 @@ def main(argv: list[str] | None = None) -> int:
         session.record["doctor"] = _read_json(session.logs / "doctor.json")
         session.write()
 
-    skip: dict[str, str] = {}
-    if ds_python is None:
-        skip.update({c: "no DeepSpeed" for c in (*plan.FULL_CONFIGS, *plan.LORA_CONFIGS) if c.startswith("ds")})
-    elif build is not None and not finish_build(build, session):
-        skip.update({c: "DeepSpeed's cpu_adam did not build (logs/ds_build.log)" for c in plan.DS_BUILD_NEEDED_BY})
+    if build is not None and not finish_build(build, session):
+        for r in rows:
+            if r.split(":", 1)[1] in plan.DS_BUILD_NEEDED_BY:
+                skip.setdefault(r, "DeepSpeed's cpu_adam did not build (logs/ds_build.log)")
     if "full" in phases:
         run_workload(profile.full, session, ds_python, skip, min(plan.full_phase_deadline(profile, start), deadline))
         session.write()
@@ -349,9 +366,10 @@ def main(argv: list[str] | None = None) -> int:
     print(plan.comparison_table(plan.comparison_rows(rec["payloads"], gpu=profile.device == "gpu")))
     print(f"[session] {time.time() - start:.0f} s; files in {out}: {', '.join(sorted(p.name for p in out.iterdir()))}",
           file=sys.stderr)
-    planned = [(w, c) for w, cs in session.record["plan"].items() for c in cs]
-    results = {(w, r["name"]): r for w, p in session.record["payloads"].items() if p for r in p.get("results", [])}
-    return 0 if planned and all(results.get(k, {}).get("status") == "ok" for k in planned) else 1
+    # 0 when every step and every row that ran went through; rows not run are listed with their reason.
+    steps_ok = all(s["status"] == "ok" for s in rec["steps"].values())
+    rows_ok = all(r.get("status") == "ok" for p in rec["payloads"].values() if p for r in p.get("results", []))
+    return 0 if steps_ok and rows_ok else 1
 
 
 def _read_json(path: Path) -> Any:
