@@ -126,6 +126,20 @@ def worker(case: str, out_dir: str) -> None:
 
 
 # ----------------------------------------------------------------------------------------------- driver
+def _file_sizes(dest: Path) -> dict[str, int]:
+    return {str(p.relative_to(dest)): p.stat().st_size for p in sorted(dest.rglob("*"))
+            if p.is_file() and p.name != "MANIFEST.json"}
+
+
+def _reference_note(case: str) -> str:
+    note = ("zero_to_fp32/: deepspeed.utils.zero_to_fp32.convert_zero_checkpoint_to_fp32_state_dict"
+            f"(checkpoint-{SAVE_STEPS}, safe_serialization=False) before pruning")
+    if case in UNIVERSAL_CASES:
+        note += ("; universal/optimizer_state.pt: deepspeed.checkpoint.ds_to_universal --inject_missing_state, "
+                 "per parameter fp32/exp_avg/exp_avg_sq/step")
+    return note
+
+
 def universal_reference(tag_dir: Path, dest: Path) -> None:
     """DeepSpeed's own per-parameter optimizer state: ``ds_to_universal`` (``--inject_missing_state``:
     a Trainer run records no ``universal_checkpoint_info``) on a copy of ``tag_dir``, its
@@ -185,7 +199,7 @@ def make_case(case: str, out_root: Path, keep_full: bool) -> dict:
             if (dest / checkpoint.name / name).exists():
                 (dest / checkpoint.name / name).unlink()
                 pruned.append(name)
-    files = {str(p.relative_to(dest)): p.stat().st_size for p in sorted(dest.rglob("*")) if p.is_file()}
+    files = _file_sizes(dest)
     record = {
         "deepspeed_version": deepspeed.__version__,
         "torch_version": torch.__version__,
@@ -198,10 +212,7 @@ def make_case(case: str, out_root: Path, keep_full: bool) -> dict:
         "save_steps": SAVE_STEPS,
         "losses": json.loads((work / "out" / "losses.json").read_text()),
         "pruned": pruned,
-        "reference": "zero_to_fp32/: deepspeed.utils.zero_to_fp32.convert_zero_checkpoint_to_fp32_state_dict"
-                     f"(checkpoint-{SAVE_STEPS}, safe_serialization=False) before pruning"
-                     + ("; universal/optimizer_state.pt: deepspeed.checkpoint.ds_to_universal --inject_missing_state, "
-                        "per parameter fp32/exp_avg/exp_avg_sq/step" if case in UNIVERSAL_CASES else ""),
+        "reference": _reference_note(case),
         "files": files,
     }
     (dest / "MANIFEST.json").write_text(json.dumps(record, indent=1) + "\n")
@@ -225,7 +236,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.universal_only:
         for case in args.cases.split(","):
             if case in UNIVERSAL_CASES:
-                universal_reference(out / case / f"checkpoint-{SAVE_STEPS}" / f"global_step{SAVE_STEPS}", out / case / "universal")
+                dest = out / case
+                universal_reference(dest / f"checkpoint-{SAVE_STEPS}" / f"global_step{SAVE_STEPS}", dest / "universal")
+                record = json.loads((dest / "MANIFEST.json").read_text())
+                record["reference"] = _reference_note(case)
+                record["files"] = _file_sizes(dest)
+                (dest / "MANIFEST.json").write_text(json.dumps(record, indent=1) + "\n")
         return 0
     for case in args.cases.split(","):
         record = make_case(case, out, args.keep_full)

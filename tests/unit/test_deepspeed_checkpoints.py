@@ -386,7 +386,7 @@ def _deepspeed_python() -> str | None:
 @pytest.mark.slow
 def test_fixture_regenerated_with_deepspeed_reads_the_same(tmp_path):
     """Where DeepSpeed is installed (its own venv): make one case afresh with the committed script
-    (2 gloo ranks, ~1 min) and read it against DeepSpeed's fresh zero_to_fp32 output."""
+    (2 gloo ranks, ~1 min) and read it against DeepSpeed's fresh zero_to_fp32 and ds_to_universal output."""
     import subprocess
 
     python = _deepspeed_python()
@@ -402,6 +402,12 @@ def test_fixture_regenerated_with_deepspeed_reads_the_same(tmp_path):
     got.update({alias: got[target] for alias, target in weights.aliases.items()})
     ref = torch.load(tmp_path / "zero3_bf16" / "zero_to_fp32" / "pytorch_model.bin", weights_only=True)
     assert_same_tensors({n: t.float() for n, t in got.items()}, ref)
+    universal = torch.load(tmp_path / "zero3_bf16" / "universal" / "optimizer_state.pt", weights_only=True)
+    trained = [n for n, e in weights.entries.items() if e.kind == "trained"]
+    state = weights.read_optimizer_state(trained)
+    for name in trained:
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(state[name][key].reshape(-1), universal[name][key].reshape(-1)), (name, key)
 
 
 def test_a_partition_cut_short_is_an_error_not_garbage(tmp_path):
