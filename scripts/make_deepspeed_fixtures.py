@@ -80,8 +80,8 @@ def ds_config(zero: dict, dtype: str) -> dict:
 
 
 # ----------------------------------------------------------------------------------------------- worker
-def worker(case: str, out_dir: str) -> None:
-    """One rank of the Trainer + DeepSpeed run (under torchrun)."""
+def worker(case: str, out_dir: str, resume: str | None = None) -> None:
+    """One rank of the Trainer + DeepSpeed run (under torchrun); ``resume``: a checkpoint to resume."""
     import torch
     import transformers
     from accelerate import PartialState
@@ -114,7 +114,7 @@ def worker(case: str, out_dir: str) -> None:
     ids = torch.randint(3, MODEL_CONFIG["vocab_size"], (STEPS * WORLD * 2, SEQ), generator=g)
     data = [{"input_ids": row, "labels": row} for row in ids]  # a list is a map-style dataset
     trainer = Trainer(model=model, args=args, train_dataset=data)
-    trainer.train()
+    trainer.train(resume_from_checkpoint=resume)
     if int(os.environ.get("RANK", "0")) == 0:
         losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]
         Path(out_dir, "losses.json").write_text(json.dumps(losses))
@@ -126,6 +126,26 @@ def worker(case: str, out_dir: str) -> None:
 
 
 # ----------------------------------------------------------------------------------------------- driver
+def _launch(case: str, out_dir: Path, resume: Path | None = None) -> None:
+    env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", TOKENIZERS_PARALLELISM="false")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(WORLD), "--master_port",
+           str(29500 + sorted(CASES).index(case)), __file__, "--worker", case, str(out_dir)] + ([str(resume)] if resume else [])
+    print("+", " ".join(cmd), flush=True)
+    subprocess.run(cmd, check=True, env=env)
+
+
+def resumed_losses(case: str, checkpoint: Path) -> list[float]:
+    """The losses of all steps logged by DeepSpeed's own run resumed from ``checkpoint`` (a copy of it:
+    its files are never changed), the first ``SAVE_STEPS`` from its trainer_state.json."""
+    work = Path(tempfile.mkdtemp(prefix=f"ds-resume-{case}-"))
+    try:
+        shutil.copytree(checkpoint, work / checkpoint.name)
+        _launch(case, work / "out", work / checkpoint.name)
+        return json.loads((work / "out" / "losses.json").read_text())
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
 def _file_sizes(dest: Path) -> dict[str, int]:
     return {str(p.relative_to(dest)): p.stat().st_size for p in sorted(dest.rglob("*"))
             if p.is_file() and p.name != "MANIFEST.json"}
@@ -175,11 +195,7 @@ def make_case(case: str, out_root: Path, keep_full: bool) -> dict:
 
     zero, dtype = CASES[case]
     work = Path(tempfile.mkdtemp(prefix=f"ds-{case}-"))
-    env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", TOKENIZERS_PARALLELISM="false")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(WORLD), "--master_port",
-           str(29500 + sorted(CASES).index(case)), __file__, "--worker", case, str(work / "out")]
-    print("+", " ".join(cmd), flush=True)
-    subprocess.run(cmd, check=True, env=env)
+    _launch(case, work / "out")
     checkpoint = work / "out" / f"checkpoint-{SAVE_STEPS}"
     dest = out_root / case
     shutil.rmtree(dest, ignore_errors=True)
@@ -215,6 +231,7 @@ def make_case(case: str, out_root: Path, keep_full: bool) -> dict:
         "reference": _reference_note(case),
         "files": files,
     }
+    record["resumed_losses"] = resumed_losses(case, dest / checkpoint.name)  # from the pruned files, as tests read them
     (dest / "MANIFEST.json").write_text(json.dumps(record, indent=1) + "\n")
     shutil.rmtree(work, ignore_errors=True)
     return record
@@ -223,16 +240,25 @@ def make_case(case: str, out_root: Path, keep_full: bool) -> dict:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--worker"]:
-        worker(argv[1], argv[2])
+        worker(argv[1], argv[2], argv[3] if len(argv) > 3 else None)
         return 0
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=str(DEFAULT_OUT))
     parser.add_argument("--cases", default=",".join(CASES), help=f"comma-separated, of {', '.join(CASES)}")
     parser.add_argument("--keep_full", action="store_true", help="do not prune the checkpoints")
+    parser.add_argument("--resumed_only", action="store_true",
+                        help="only (re)record DeepSpeed's own losses resumed from each existing case's checkpoint")
     parser.add_argument("--universal_only", action="store_true",
                         help="only (re)make the ds_to_universal reference of the existing cases in --out")
     args = parser.parse_args(argv)
     out = Path(args.out)
+    if args.resumed_only:
+        for case in args.cases.split(","):
+            record = json.loads((out / case / "MANIFEST.json").read_text())
+            record["resumed_losses"] = resumed_losses(case, out / case / f"checkpoint-{SAVE_STEPS}")
+            (out / case / "MANIFEST.json").write_text(json.dumps(record, indent=1) + "\n")
+            print(f"{case}: resumed losses {record['resumed_losses']}", flush=True)
+        return 0
     if args.universal_only:
         for case in args.cases.split(","):
             if case in UNIVERSAL_CASES:

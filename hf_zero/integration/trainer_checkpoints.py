@@ -28,6 +28,7 @@ logger = logging.getLogger("hf_zero")
 ZERO_STATE_DIR = "zero_state"
 """Sub-folder of a Trainer checkpoint that holds hf_zero's sharded state."""
 TRAINER_STATE_NAME = "trainer_state.json"
+SCHEDULER_NAME = "scheduler.pt"  # the Trainer's own scheduler state (a DeepSpeed run without a scheduler section)
 
 
 class ZeroCheckpointingMixin:
@@ -197,15 +198,13 @@ class ZeroCheckpointingMixin:
         if not os.path.isdir(resume_from_checkpoint):
             raise FileNotFoundError(f"resume_from_checkpoint: {resume_from_checkpoint} does not exist")
         zero_state = os.path.join(resume_from_checkpoint, ZERO_STATE_DIR)
-        from hf_zero.checkpoint.deepspeed_files.layout import is_deepspeed_checkpoint
+        if _is_deepspeed_checkpoint(resume_from_checkpoint):
+            # DeepSpeed's own checkpoint: its files are checked (and refused, if crafted or of a
+            # layout hf_zero does not read) here, before any work; loaded in _load_zero_checkpoint.
+            from hf_zero.checkpoint.deepspeed_files.layout import find_deepspeed_checkpoint
 
-        if not os.path.isdir(zero_state) and is_deepspeed_checkpoint(resume_from_checkpoint):
-            raise ValueError(
-                f"resume_from_checkpoint: {resume_from_checkpoint} was written by DeepSpeed (latest + global_stepN/ "
-                "rank files); hf_zero reads its weights but does not resume DeepSpeed's optimizer state, schedule "
-                f"and RNG yet. Write its exact fp32 weights with `hf-zero consolidate {resume_from_checkpoint} "
-                "OUT_DIR` (no DeepSpeed needed) and start a new run from OUT_DIR (--model_name_or_path OUT_DIR)"
-            )
+            find_deepspeed_checkpoint(resume_from_checkpoint)
+            return
         if not os.path.isdir(zero_state) and os.path.isfile(os.path.join(resume_from_checkpoint, TRAINER_STATE_NAME)):
             # A complete Trainer checkpoint without hf_zero's state: written with --save_only_model
             # (or by another trainer). The plain Trainer would load the weights and restart the
@@ -238,18 +237,58 @@ class ZeroCheckpointingMixin:
         load_checkpoint(self.zero_engine, os.path.join(best, ZERO_STATE_DIR), restore_rng=False)
 
     def _load_zero_checkpoint(self, checkpoint: str) -> None:
+        if _is_deepspeed_checkpoint(checkpoint):
+            self._load_deepspeed_checkpoint(checkpoint)
+            return
         from hf_zero.checkpoint.sharded import load_checkpoint
 
         load_checkpoint(self.zero_engine, os.path.join(checkpoint, ZERO_STATE_DIR))
+
+    def _load_deepspeed_checkpoint(self, checkpoint: str) -> None:
+        """A run DeepSpeed saved (``latest`` + ``global_stepN/``): weights, Adam's state, learning
+        rates, loss scaler and counters from DeepSpeed's files (without running code from them);
+        the schedule from DeepSpeed's ``lr_scheduler`` entry or, for the Trainer's own scheduler,
+        ``scheduler.pt`` (``weights_only``). The RNG states are the Trainer's ``rng_state_R.pth``."""
+        from hf_zero.checkpoint.deepspeed_files.engine_state import load_deepspeed_checkpoint
+        from hf_zero.checkpoint.safe_load import load_torch_file
+
+        engine = self.zero_engine
+        layout = load_deepspeed_checkpoint(engine, checkpoint)
+        if engine.lr_scheduler is None:
+            return
+        saved = layout.model_state.get("lr_scheduler")
+        source = f"{layout.model_files[0]} (lr_scheduler)"
+        if saved is None and os.path.isfile(os.path.join(checkpoint, SCHEDULER_NAME)):
+            source = os.path.join(checkpoint, SCHEDULER_NAME)
+            saved = load_torch_file(source)
+        if saved is None:
+            logger.warning("hf_zero: %s holds no learning-rate schedule state; the schedule starts afresh", checkpoint)
+            return
+        try:
+            engine.lr_scheduler.load_state_dict(saved)
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise ValueError(
+                f"resume_from_checkpoint: the schedule state in {source} does not fit this run's scheduler "
+                f"({type(engine.lr_scheduler).__name__}: {exc}); resume with the scheduler the DeepSpeed run used"
+            ) from exc
 
     def _load_rng_state(self, checkpoint: str | None) -> None:
         if not self.zero_enabled:
             return super()._load_rng_state(checkpoint)
         if checkpoint is None:
             return
+        if _is_deepspeed_checkpoint(checkpoint):
+            return super()._load_rng_state(checkpoint)  # rng_state_R.pth, read by transformers with weights_only
         from hf_zero.checkpoint.sharded import load_rng_state
 
         load_rng_state(os.path.join(checkpoint, ZERO_STATE_DIR))
+
+
+def _is_deepspeed_checkpoint(checkpoint: str) -> bool:
+    """A Trainer checkpoint DeepSpeed wrote (``latest`` + ``global_stepN/``), not hf_zero's."""
+    from hf_zero.checkpoint.deepspeed_files.layout import is_deepspeed_checkpoint
+
+    return not os.path.isdir(os.path.join(checkpoint, ZERO_STATE_DIR)) and is_deepspeed_checkpoint(checkpoint)
 
 
 def _barrier() -> None:

@@ -8,8 +8,12 @@ without running code from them.
 - :mod:`.fp32_weights`: the full fp32 tensors, with the names and values of DeepSpeed's
   ``zero_to_fp32``, and Adam's per-parameter state (those of DeepSpeed's ``ds_to_universal``).
 
-Used by ``hf-zero consolidate`` (:mod:`hf_zero.checkpoint.consolidate`) and
-``deepspeed.utils.zero_to_fp32``'s functions (:mod:`hf_zero.deepspeed_api.zero_to_fp32`).
+- :mod:`.engine_state`: all of it loaded into an hf_zero engine (weights, Adam's state, learning
+  rates, loss scaler, counters), so a DeepSpeed run continues under hf_zero.
+
+Used by ``hf-zero consolidate`` (:mod:`hf_zero.checkpoint.consolidate`), ``deepspeed.utils.zero_to_fp32``'s
+functions (:mod:`hf_zero.deepspeed_api.zero_to_fp32`) and ``ZeroTrainer``'s ``resume_from_checkpoint``
+(:mod:`hf_zero.integration.trainer_checkpoints`).
 ``training_args.bin`` and the checkpoint's own ``zero_to_fp32.py`` are never loaded or run.
 """
 

@@ -101,6 +101,7 @@ class DeepSpeedWeights:
         self.aliases = {str(a): str(t) for a, t in shared.items() if t in self.entries}
 
     # --------------------------------------------------------------------------------------- reading
+    @torch.no_grad()  # DeepSpeed's masters are saved with requires_grad: copies must not join a graph
     def read(self, names: Iterable[str]) -> dict[str, torch.Tensor]:
         """The full tensors ``names`` (entries, not aliases), reading one rank's file at a time."""
         names = list(names)
@@ -124,6 +125,7 @@ class DeepSpeedWeights:
             self._read_trained(trained, {"fp32": out})
         return out
 
+    @torch.no_grad()
     def read_optimizer_state(self, names: Iterable[str]) -> dict[str, dict[str, torch.Tensor]]:
         """Adam's state of the trained parameters ``names``, full size: ``{name: {"exp_avg",
         "exp_avg_sq", "step"}}`` (``step``: that of the parameter's group or sub-group, a 0-dim
