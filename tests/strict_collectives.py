@@ -28,7 +28,9 @@ every tensor is host memory and every collective accepts it, so this module trac
   untagged copy; so does the device Muon picks for its all-to-all of a host shard (``optim/muon.py``
   ``_exchange_device``, which decides as on a GPU run). torch's full-state-dict gather
   (``get_model_state_dict(full_state_dict=True)``: ``_state_dict_utils._gather_state_dict``) runs
-  as on a GPU too: it moves each DTensor to its mesh's device type before gathering it. :func:`hf_zero.distributed.collectives.on_mesh_device` (and FSDP2's own copy of
+  as on a GPU too: it moves each DTensor to its mesh's device type before gathering it; and so
+  does the stage-0/1 fp32 export's broadcast of a host master (``export16._Masters.gather``: the
+  owner's ``.to(<the parameter's device>)``). :func:`hf_zero.distributed.collectives.on_mesh_device` (and FSDP2's own copy of
   offloaded shards before its all-gather, ``FSDPParam.all_gather_inputs``) run as on a GPU: inside it, a host tensor reports a device other than the mesh's, and ``.to(<mesh device>)``
   of a host tensor returns a fresh, untagged copy (the host-to-device copy). Outside it ``.to`` keeps
   the tier (``.to("cpu")`` of host memory stays host memory). A bypassed or broken
@@ -358,6 +360,9 @@ def install() -> None:
     for module in (collectives, engine_module, export16):
         if getattr(module, "on_mesh_device", None) is original:
             module.on_mesh_device = _as_on_gpu(original)
+    # Stages 0/1's fp32 export: the owner moves its host master to the parameter's device
+    # (.to(like.device): the accelerator on a GPU run) before broadcasting it.
+    export16._Masters.gather = _as_on_gpu(export16._Masters.gather)
     wrapped = _on_nccl(collectives.collective_device)
     for module in (collectives, manager):
         module.collective_device = wrapped

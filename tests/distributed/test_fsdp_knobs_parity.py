@@ -111,4 +111,7 @@ def test_gradients_are_the_mean_of_the_ranks(results, name):
 
 
 if __name__ == "__main__":
+    from tests.strict_collectives import install_from_env
+
+    install_from_env()  # HF_ZERO_STRICT_COLLECTIVES=1 (tests/distributed/_launch.py sets it by default)
     _worker(sys.argv[1])

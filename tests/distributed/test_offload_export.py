@@ -75,9 +75,11 @@ def _optimizer_masters(engine) -> dict[str, torch.Tensor]:
     stage 3 each rank's shards gathered, at stage 1 each owner's whole tensors collected."""
     import torch.distributed as dist
 
+    from hf_zero.distributed.collectives import on_mesh_device
+
     _, masters = engine.offload.optimizer.checkpoint_state()
-    if engine.stage.stage >= 2:
-        return {n: m.full_tensor().detach().clone() for n, m in sorted(masters.items())}
+    if engine.stage.stage >= 2:  # host shards: gathered from the mesh's device, as a GPU run must
+        return {n: on_mesh_device(m).full_tensor().detach().clone() for n, m in sorted(masters.items())}
     mine = {n: m.detach().clone() for n, m in masters.items()}
     everyone: list = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
