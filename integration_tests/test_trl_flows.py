@@ -12,7 +12,8 @@ CI time: each launch costs an interpreter start and the imports of torch, transf
 2 ranks, more than a 3-step tiny run. So the runs go through ``scripts/run_several.py`` (each
 script run as ``python SCRIPT ARGS`` would, one after the other in one process): every DDP
 reference in one launch, and one ``hf-zero run`` launch per stage group. Runs of one launch share
-a stage where it matters: ``hf-zero run`` decides low-memory loading (stage 3) from the launch.
+a stage where it matters: ``hf-zero run`` decides low-memory loading (stage 3) from the launch;
+stages 0-2 share one launch, stage 3 has its own.
 """
 
 from __future__ import annotations
@@ -125,10 +126,11 @@ FROZEN = {"dpo_sync": "policy", "dpo_bf16": "policy", "grpo": "policy", "rloo": 
           "grpo_rm": "reward_model"}
 # One hf-zero launch per group. Passed once and not kept (CI time): SFT at stage 1; KTO, RLOO, the
 # reward trainer, distillation, GRPO with a reward model and bf16 DPO at stage 1 (one more launch).
+# Stages 0 and 1 share the stage-2 launch: below stage 3 a launch decides nothing by its stage (no
+# low-memory loading), and each run's is_deepspeed_zero3_enabled() follows its own arguments.
 LAUNCHES = {
-    "s0_s1": [("dpo_sync", 0), ("dpo_sync", 1)],
-    "s2": [("sft", 2), ("sft_lora", 2), ("dpo_sync", 2), ("grpo", 2), ("sft_bf16", 2), ("kto", 2), ("rloo", 2),
-           ("reward", 2), ("distill", 2), ("grpo_rm", 2)],
+    "s0_s1_s2": [("dpo_sync", 0), ("dpo_sync", 1), ("sft", 2), ("sft_lora", 2), ("dpo_sync", 2), ("grpo", 2),
+                 ("sft_bf16", 2), ("kto", 2), ("rloo", 2), ("reward", 2), ("distill", 2), ("grpo_rm", 2)],
     "s3": [("sft", 3), ("sft_lora", 3), ("dpo_sync", 3), ("grpo", 3), ("rloo", 3), ("kto", 3), ("reward", 3),
            ("distill", 3), ("grpo_rm", 3), ("dpo_bf16", 3)],
 }
