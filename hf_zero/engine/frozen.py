@@ -82,18 +82,20 @@ def prepare_frozen_model(model: nn.Module, config: Any, training_args: Any = Non
 
 
 def _shard(model: nn.Module, config: Any, env: Any, precision: Any) -> None:
-    from torch.distributed.fsdp import CPUOffloadPolicy, register_fsdp_forward_method
+    from torch.distributed.fsdp import register_fsdp_forward_method
 
     from hf_zero.engine.stages import FullyShardedStage
+    from hf_zero.offload.param_offload import frozen_offload_policy
 
     stage = FullyShardedStage(3, config.zero_optimization, env, precision)
-    device = config.zero_optimization.offload_param.device
-    if device != "none":
-        if device == "nvme" and env.is_main:
+    offload = config.zero_optimization.offload_param
+    if offload.device != "none":
+        if offload.device == "nvme" and env.is_main:
             logger.info("hf_zero: frozen %s kept in host memory (offload_param nvme swaps trained models only)",
                         type(model).__name__)
-        pin = bool(config.zero_optimization.offload_param.pin_memory) and env.device.type != "cpu"
-        stage.fsdp_extra = {"offload_policy": CPUOffloadPolicy(pin_memory=pin)}
+        # Pinned only when the shards fit the host's headroom (review N5), else pageable with a warning.
+        stage.fsdp_extra = {"offload_policy": frozen_offload_policy(offload, model, env.world_size,
+                                                                    precision.compute_dtype)}
     stage.wrap(model)
     if hasattr(model, "generate"):
         # generate() is not a forward: FSDP2 gathers the parameters for it only once registered.

@@ -318,8 +318,12 @@ class OffloadManager:
             from hf_zero.offload.param_offload import fsdp_cpu_offload_policy
 
             half = self.precision.compute_dtype in (torch.float16, torch.bfloat16)
+            # Only an offloaded optimizer casts the shards to 16 bit (after_fsdp) and takes every
+            # gradient in a hook (with a ratio below 1 the device part has none).
+            host_step = self.opt_cfg.device != "none"
             kwargs["offload_policy"] = fsdp_cpu_offload_policy(
-                self.param_cfg, model, self.env.world_size, 2 if half else None)
+                self.param_cfg, model, self.env.world_size, 2 if half and host_step else None,
+                grads_hooked=host_step and self.opt_cfg.ratio >= 1)
         return kwargs
 
     def _to_compute_dtype(self, model: nn.Module) -> None:

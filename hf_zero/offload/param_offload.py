@@ -41,7 +41,8 @@ from hf_zero.distributed.fsdp_internals import param_groups
 from hf_zero.offload.base import OffloadError, TierReport, empty_report, nbytes
 from hf_zero.offload.pinned import pinning_fits, pow2_ceil
 
-__all__ = ["CpuParamOffload", "NvmeParamSwapper", "fsdp_cpu_offload_policy"]
+__all__ = ["CpuParamOffload", "NvmeParamSwapper", "fsdp_cpu_offload_policy", "fsdp_pins_gradients",
+           "frozen_offload_policy", "planned_shard_bytes"]
 
 logger = logging.getLogger("hf_zero")
 
@@ -49,7 +50,7 @@ _SETTING = "zero_optimization.offload_param"
 
 
 def fsdp_cpu_offload_policy(cfg: OffloadParamConfig, model: nn.Module | None = None, world_size: int = 1,
-                            compute_itemsize: int | None = None):
+                            compute_itemsize: int | None = None, *, grads_hooked: bool = False):
     """FSDP2's ``CPUOffloadPolicy``; pinned host memory only when asked for, a GPU is present and
     the shards fit the host's headroom (:func:`~hf_zero.offload.pinned.pinning_fits`).
 
@@ -61,8 +62,10 @@ def fsdp_cpu_offload_policy(cfg: OffloadParamConfig, model: nn.Module | None = N
         model: the model about to be sharded, to size the pinned shards (not checked without it).
         world_size: ranks the parameters are sharded over.
         compute_itemsize: bytes per element of the 16-bit copies the shards become after
-            sharding (``OffloadManager._to_compute_dtype``); FSDP2 pins those anew, and the
-            allocator keeps the fp32 blocks cached, so both count.
+            sharding (``OffloadManager._to_compute_dtype``, with an offloaded optimizer); FSDP2
+            pins those anew, and the allocator keeps the fp32 blocks cached, so both count.
+        grads_hooked: every trainable parameter's gradient is taken by hf_zero's offloaded
+            optimizer in a post-accumulate-grad hook (see :func:`fsdp_pins_gradients`).
     """
     from torch.distributed.fsdp import CPUOffloadPolicy
 
@@ -72,20 +75,74 @@ def fsdp_cpu_offload_policy(cfg: OffloadParamConfig, model: nn.Module | None = N
                     "(their host storage is freed and re-made on every swap)", _SETTING)
         pin = False
     if pin and model is not None:
-        pin = pinning_fits(planned_shard_bytes(model, world_size, compute_itemsize), f"{_SETTING}.pin_memory")
+        planned = planned_shard_bytes(model, world_size, compute_itemsize,
+                                      gradients=fsdp_pins_gradients(grads_hooked))
+        pin = pinning_fits(planned, f"{_SETTING}.pin_memory")
     return CPUOffloadPolicy(pin_memory=pin)
 
 
-def planned_shard_bytes(model: nn.Module, world_size: int, compute_itemsize: int | None = None) -> int:
+def frozen_offload_policy(cfg: OffloadParamConfig, model: nn.Module, world_size: int,
+                          compute_dtype: torch.dtype):
+    """FSDP2's ``CPUOffloadPolicy`` for a model that is never trained (``engine/frozen.py``): its
+    shards in host memory, pinned only when asked for, a GPU is present and they fit the host's
+    headroom beside what is pinned already (review N5: a reference model's pinned shards were in
+    no plan). Not swapped, so ``device = "nvme"`` pins as ``cpu`` does.
+
+    Args:
+        compute_dtype: the run's; a 16-bit one is the dtype frozen parameters are stored in
+            (``cast_to_master_dtypes(frozen_in_compute_dtype=True)`` runs before sharding).
+    """
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    pin = bool(cfg.pin_memory) and accel.native_pinning()
+    if pin:
+        half = compute_dtype in (torch.float16, torch.bfloat16)
+        itemsize = torch.empty((), dtype=compute_dtype).element_size() if half else None
+        planned = planned_shard_bytes(model, world_size, stored_itemsize=itemsize)
+        pin = pinning_fits(planned, f"{_SETTING}.pin_memory", what=f"the frozen {type(model).__name__}'s shards")
+    return CPUOffloadPolicy(pin_memory=pin)
+
+
+def fsdp_pins_gradients(grads_hooked: bool) -> bool:
+    """Whether FSDP2 copies each gradient shard to the host into pinned memory of its own.
+
+    With a pinned CPU offload policy, FSDP2 moves every reduce-scattered gradient shard with
+    ``.to("cpu", non_blocking=True)``: a fresh pinned block per shard, which the host caching
+    allocator rounds up to a power of two and keeps after the gradient is freed (review N6). Since
+    pytorch#180666 (April 2026; torch 2.13's ``_fsdp_collectives.foreach_reduce`` has it) the copy
+    is synchronous, into pageable memory, when the parameter has a post-accumulate-grad hook, as
+    every parameter hf_zero's offloaded optimizer steps does; older torch pins them anyway. A
+    micro-step that adds to a gradient already there copies synchronously into pageable memory,
+    and each step's blocks are the cached ones of the step before: one block per trainable shard.
+    """
+    if not grads_hooked:
+        return True
+    return tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) < (2, 13)
+
+
+def planned_shard_bytes(model: nn.Module, world_size: int, compute_itemsize: int | None = None, *,
+                        gradients: bool = False, stored_itemsize: int | None = None) -> int:
     """Pinned bytes FSDP2 reserves for ``model``'s offloaded shards: one ``pin_memory()`` per
-    shard (dim 0 padded to a multiple of ``world_size``), each rounded to a power of two."""
+    shard (dim 0 padded to a multiple of ``world_size``), each rounded to a power of two.
+
+    Args:
+        compute_itemsize: the shards are cast to it after sharding: both copies count.
+        gradients: FSDP2 pins a gradient shard per trainable parameter too
+            (:func:`fsdp_pins_gradients`), in the dtype the parameter has when it trains.
+        stored_itemsize: the floating-point shards are stored in this many bytes per element
+            (a frozen model cast to the compute dtype before sharding).
+    """
     total = 0
     for p in model.parameters():
         rows = -(-p.shape[0] // world_size) if p.dim() else 1
         numel = rows * (p[0].numel() if p.dim() > 1 else 1)
-        total += pow2_ceil(numel * p.element_size())
-        if compute_itemsize and p.is_floating_point() and p.element_size() != compute_itemsize:
+        itemsize = stored_itemsize if stored_itemsize and p.is_floating_point() else p.element_size()
+        total += pow2_ceil(numel * itemsize)
+        cast = bool(compute_itemsize and p.is_floating_point() and itemsize != compute_itemsize)
+        if cast:
             total += pow2_ceil(numel * compute_itemsize)
+        if gradients and p.requires_grad:
+            total += pow2_ceil(numel * (compute_itemsize if cast else itemsize))
     return total
 
 

@@ -9,6 +9,7 @@ every pinned allocation.
 
 from __future__ import annotations
 
+import copy
 import logging
 from pathlib import Path
 
@@ -217,3 +218,124 @@ def test_gradient_layout_check_raises_before_the_update(monkeypatch):
         assert all(torch.equal(after[k].float(), v) for k, v in before.items())
     finally:
         engine.close()
+
+
+# ---------------------------------------------------------------------------- pinned memory outside the optimizer
+def _shard_bytes(model, world: int, itemsize: int | None = None, *, trainable: bool = False) -> int:
+    """What FSDP2 pins for ``model``'s shards, from the model alone: each parameter's dim-0 shard
+    (rows rounded up to a multiple of ``world``, divided by it) in ``itemsize`` bytes per element,
+    one allocation each, rounded to a power of two by the host caching allocator."""
+    total = 0
+    for p in model.parameters():
+        if trainable and not p.requires_grad:
+            continue
+        numel = -(-p.shape[0] // world) * (p.numel() // p.shape[0])
+        total += 1 << (numel * (itemsize or p.element_size()) - 1).bit_length()
+    return total
+
+
+def test_planned_shard_bytes_count_fsdp2s_gradient_copies_and_the_stored_dtype():
+    """Review N6: FSDP2's own pinned gradient shards are in the plan when it pins them; a frozen
+    model's shards are planned in the dtype they are stored in (N5)."""
+    from torch import nn
+
+    from hf_zero.offload.param_offload import planned_shard_bytes
+
+    model = nn.Sequential(nn.Linear(10, 6), nn.Linear(6, 5))  # weights 6x10, 5x6; biases 6, 5
+    # world 2, fp32: shards of 3x10, 3, 3x6, 3 elements -> 120, 12, 72, 12 bytes -> 128+16+128+16
+    assert planned_shard_bytes(model, 2) == 288 == _shard_bytes(model, 2)
+    # + one gradient shard per trainable parameter, same sizes
+    assert planned_shard_bytes(model, 2, gradients=True) == 576
+    model[1].requires_grad_(False)
+    assert planned_shard_bytes(model, 2, gradients=True) == 288 + 144
+    # an offloaded optimizer casts the shards to bf16 after sharding: both copies, and the
+    # gradients come in bf16 (60, 6 bytes -> 64, 8)
+    model.requires_grad_(True)
+    assert planned_shard_bytes(model, 2, 2) == 288 + 64 + 8 + 64 + 8
+    assert planned_shard_bytes(model, 2, 2, gradients=True) == 288 + 2 * (64 + 8 + 64 + 8)
+    # a frozen model stored in bf16: one bf16 copy, no gradient
+    model.requires_grad_(False)
+    assert planned_shard_bytes(model, 2, stored_itemsize=2, gradients=True) == 144 == _shard_bytes(model, 2, 2)
+
+
+def test_fsdp2_pins_gradients_unless_hooked_on_a_torch_that_copies_hooked_ones_synchronously():
+    """Whether FSDP2 pins gradient copies, against the installed torch's own code: it gates its
+    non_blocking copy on post-accumulate-grad hooks (pytorch#180666) exactly when hf_zero says
+    hooked gradients are not pinned."""
+    import inspect
+
+    from torch.distributed.fsdp._fully_shard import _fsdp_collectives
+
+    from hf_zero.offload.param_offload import fsdp_pins_gradients
+
+    gated = "_post_accumulate_grad_hooks" in inspect.getsource(_fsdp_collectives.foreach_reduce)
+    assert fsdp_pins_gradients(grads_hooked=False)
+    assert fsdp_pins_gradients(grads_hooked=True) == (not gated)
+
+
+def _params_only_config(stage: int = 3) -> dict:
+    return {"zero_optimization": {"stage": stage, "offload_param": {"device": "cpu", "pin_memory": True}},
+            "train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}}
+
+
+def test_parameter_offload_without_optimizer_offload_plans_fsdp2s_gradient_copies(monkeypatch, caplog):
+    """Review N6: ``offload_param: cpu`` pinned, optimizer on the device: FSDP2 pins the shards and,
+    every step, a gradient shard per parameter (``.to("cpu", non_blocking=True)``). With a headroom
+    that holds the shards but not the gradients too, the shards stay pageable with a warning
+    (they were pinned: the plan counted the shards only); training is the plain run's."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    with accel.use_runtime(NoAccelerator()):
+        plain = _train(_params_only_config())
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=2, num_key_value_heads=1))
+    shards = _shard_bytes(model, 1)
+    # pinning_fits pins up to 90% of the headroom: room for 1.5 x the shards, not 2 x
+    headroom = int(shards * 1.5 / pinned.SAFETY)
+    monkeypatch.setattr(pinned, "host_headroom", lambda: (headroom, "the container's memory limit minus its usage"))
+    with fake_accelerator() as fake, caplog.at_level(logging.WARNING, logger="hf_zero"):
+        sizes = _recording(fake)
+        got = _train(_params_only_config())
+    assert sizes == [], f"pinned {sum(sizes)} bytes although shards and gradients ({2 * shards}) do not fit"
+    assert "offload_param.pin_memory" in caplog.text and "pageable" in caplog.text, caplog.text
+    assert got[0] == plain[0]
+    for name, value in plain[1].items():
+        assert torch.equal(got[1][name], value), name
+
+
+@pytest.mark.parametrize("fits", [True, False])
+def test_a_frozen_models_pinned_shards_are_planned(fits, monkeypatch, caplog):
+    """Review N5: a frozen (reference) model with ``offload_param: cpu`` pinned its shards outside
+    any plan. They are pinned when they fit the headroom (exactly the planned bytes: bf16, the
+    dtype frozen shards are stored in) and stay pageable with a warning naming the model when
+    they do not; its outputs are the model's either way."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = {**_params_only_config(), "bf16": {"enabled": True}}
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=2, num_key_value_heads=1))
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
+    ref = copy.deepcopy(model).eval()
+    with torch.no_grad():  # the same model with bf16 parameters (buffers as they are), one rank
+        for p in ref.parameters():
+            p.data = p.data.to(torch.bfloat16)
+        want = ref(input_ids=ids).logits.float()
+    planned = _shard_bytes(model, 1, 2)  # world 1, bf16
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    headroom = planned * 4 if fits else planned // 2
+    monkeypatch.setattr(pinned, "host_headroom", lambda: (headroom, "the container's memory limit minus its usage"))
+    with fake_accelerator() as fake, caplog.at_level(logging.WARNING, logger="hf_zero"):
+        sizes = _recording(fake)
+        frozen = hf_zero.prepare_frozen_model(model, cfg)
+        with torch.no_grad():
+            got = frozen(input_ids=ids).logits.float()
+    if fits:
+        assert sum(pow2_ceil(s) for s in sizes) == planned, (sizes, planned)
+        assert "pin_memory" not in caplog.text
+    else:
+        assert sizes == []
+        assert "offload_param.pin_memory" in caplog.text and "the frozen LlamaForCausalLM" in caplog.text, caplog.text
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
