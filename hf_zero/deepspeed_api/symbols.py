@@ -100,8 +100,10 @@ SYMBOLS: tuple[Symbol, ...] = (
     _comm("ReduceOp", "`torch.distributed.ReduceOp`"),
     Symbol(("deepspeed.utils.zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint",),
            f"{_FP32}:get_fp32_state_dict_from_zero_checkpoint",
-           "the fp32 state dict of an hf_zero checkpoint (`checkpoint-N/` or its `zero_state/`), read on one CPU "
-           "process by hf_zero's safe checkpoint reader (as `hf-zero consolidate`)"),
+           "the fp32 state dict of a DeepSpeed ZeRO checkpoint (`latest` + `global_stepN/`: DeepSpeed's names, "
+           "order and values, read with `weights_only=True`; `tag=`, `exclude_frozen_parameters=`) or of an hf_zero "
+           "checkpoint (`checkpoint-N/` or its `zero_state/`), read on one CPU process by hf_zero's safe checkpoint "
+           "readers (as `hf-zero consolidate`)"),
     Symbol(("deepspeed.utils.zero_to_fp32.load_state_dict_from_zero_checkpoint",),
            f"{_FP32}:load_state_dict_from_zero_checkpoint",
            "that state dict loaded into the model on the CPU (`strict=False`, as DeepSpeed)"),
