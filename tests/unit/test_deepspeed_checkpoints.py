@@ -400,6 +400,28 @@ def test_resume_continues_deepspeeds_run(case, stage, tmp_path):
     assert {p: p.read_bytes() for p in files} == before
 
 
+def test_resume_reads_the_model_part_by_part(tmp_path, monkeypatch):
+    """With parts of at most 100 values (each tensor in a read of its own but the smallest), the
+    resume logs the same losses as reading everything at once."""
+    from hf_zero.checkpoint.deepspeed_files import engine_state
+
+    reads = []
+    original = DeepSpeedWeights.read
+
+    def counted(self, names):
+        names = list(names)
+        reads.append(len(names))
+        return original(self, names)
+
+    monkeypatch.setattr(DeepSpeedWeights, "read", counted)
+    whole = _resume("zero3_fp32", 3, tmp_path / "whole")
+    assert reads[0] >= 15  # one read of every tensor
+    reads.clear()
+    monkeypatch.setattr(engine_state, "CHUNK_NUMEL", 100)
+    assert _resume("zero3_fp32", 3, tmp_path / "parts") == whole
+    assert len(reads) > 5 and max(reads) < 15
+
+
 def test_resume_without_the_adam_state_would_differ(tmp_path, monkeypatch):
     """Control: the same resume with Adam's moments zeroed (a fresh optimizer on DeepSpeed's weights)
     misses DeepSpeed's step-4 loss by more than the fp32 bound above (measured 5.3e-4 relative)."""

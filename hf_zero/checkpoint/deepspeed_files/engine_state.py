@@ -14,8 +14,8 @@ from DeepSpeed's files, and loads it with ``engine.load_state_dict``:
   ``last_overflow_iter``, ``cur_hysteresis``; hf_zero's config keeps the hyper-parameters) and the
   step counters.
 
-Full tensors are read, and each rank keeps its own shard of them, so the world size and the stage
-may differ from the run that saved. The learning-rate schedule's own state and the RNG states
+Full tensors are read, :data:`CHUNK_NUMEL` values at a time, and each rank keeps its own shard of
+them, so the world size and the stage may differ from the run that saved. The learning-rate schedule's own state and the RNG states
 are the Trainer's (``scheduler.pt``, ``rng_state_R.pth``): :mod:`hf_zero.integration` loads them.
 """
 
@@ -58,10 +58,11 @@ def load_deepspeed_checkpoint(engine: Any, checkpoint_dir: str | os.PathLike, *,
             + ("; " if unknown and absent else "")
             + (f"the checkpoint has {', '.join(absent[:3])}, which the model lacks" if absent else "")
             + "; resume with the model the DeepSpeed run trained")
-    full = weights.read(dict.fromkeys(source[k] for k in module_state))
-    for key, template in module_state.items():
-        _fill(template, full[source[key]])
-    del full
+    for keys in _chunks(list(module_state), lambda k: weights.entries[source[k]].numel):
+        full = weights.read(dict.fromkeys(source[k] for k in keys))  # a bounded part of the model at a time
+        for key in keys:
+            _fill(module_state[key], full[source[key]])
+        del full
     if "optimizer" in state:
         _fill_optimizer(state["optimizer"], weights, source, layout)
     if "loss_scaler" in state:
@@ -76,6 +77,26 @@ def load_deepspeed_checkpoint(engine: Any, checkpoint_dir: str | os.PathLike, *,
                     skipped_steps=int(model_state.get("skipped_steps", 0)))
     engine.load_state_dict(state)
     return layout
+
+
+CHUNK_NUMEL = 128 * 2**20
+"""Values (fp32: 512 MB) read as full tensors at a time: every rank reads the whole model, part by part,
+re-opening the memory-mapped rank files for each part."""
+
+
+def _chunks(keys: list[str], numel: Any) -> list[list[str]]:
+    """``keys`` in order, grouped so that each group's ``numel`` adds up to at most :data:`CHUNK_NUMEL`
+    (a larger tensor alone)."""
+    groups: list[list[str]] = [[]]
+    total = 0
+    for key in keys:
+        size = numel(key)
+        if groups[-1] and total + size > CHUNK_NUMEL:
+            groups.append([])
+            total = 0
+        groups[-1].append(key)
+        total += size
+    return [g for g in groups if g]
 
 
 def _fill(template: Any, full: torch.Tensor) -> None:
@@ -100,15 +121,17 @@ def _fill_optimizer(optim_state: dict, weights: DeepSpeedWeights, source: dict[s
     if frozen_here:
         raise CheckpointError(f"{layout.tag_dir}: the model trains {', '.join(frozen_here[:3])}, which the DeepSpeed "
                               "run did not (no optimizer state): freeze the same parameters as the run that saved")
-    moments = weights.read_optimizer_state(dict.fromkeys(names.values()))
-    for fqn, entry in per_param.items():
-        saved = moments[names[fqn]]
-        missing = [k for k in entry if k not in saved]
-        if missing:
-            raise CheckpointError(f"{layout.tag_dir}: the engine's optimizer keeps {missing} for {fqn}; DeepSpeed's "
-                                  "checkpoint holds Adam's exp_avg, exp_avg_sq and step: resume with Adam or AdamW")
-        for key, value in entry.items():
-            _fill(value, saved[key])
+    for fqns in _chunks(list(per_param), lambda f: 2 * weights.entries[names[f]].numel):
+        moments = weights.read_optimizer_state(dict.fromkeys(names[f] for f in fqns))
+        for fqn in fqns:
+            entry, saved = per_param[fqn], moments[names[fqn]]
+            missing = [k for k in entry if k not in saved]
+            if missing:
+                raise CheckpointError(f"{layout.tag_dir}: the engine's optimizer keeps {missing} for {fqn}; DeepSpeed's "
+                                      "checkpoint holds Adam's exp_avg, exp_avg_sq and step: resume with Adam or AdamW")
+            for key, value in entry.items():
+                _fill(value, saved[key])
+        del moments
     lrs = _learning_rates(weights, layout)
     for group in optim_state.get("param_groups", []):
         found = {lrs[source.get(p, p)] for p in group.get("params", []) if source.get(p, p) in lrs}
