@@ -84,6 +84,7 @@ class Session:
             "command": "python3 bench/gpu_session.py " + " ".join(argv),
             "device": profile.device, "budget_s": deadline - self.t0, "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
             "steps": {}, "notes": list(profile.notes), "plan": {}, "not_run": {}, "payloads": {},
+            "budget": plan.budget_rows(profile),
         }
 
     def left(self) -> float:
@@ -274,6 +275,8 @@ def render(record: dict[str, Any]) -> str:
     lines += ["## Steps", "", lib.markdown_table(
         ["step", "status", "wall (s)", "limit (s)", "log"],
         [[k, v["status"], f"{v['wall_s']:.0f}", f"{v['limit_s']:.0f}", v.get("log", "")] for k, v in record["steps"].items()])]
+    lines += ["", "Plan (estimates and limits, bench/README.md explains them):", "",
+              lib.markdown_table(["step", "estimate (s)", "limit (s)"], record.get("budget", []))]
     doctor = record.get("doctor")
     if doctor:
         lines += ["", f"hf-zero doctor: {'all checks passed' if doctor.get('ok') else 'FAILED'} in {doctor.get('seconds')} s: "
