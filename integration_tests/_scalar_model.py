@@ -20,7 +20,17 @@ class ScalarConfig(PretrainedConfig):
         super().__init__(**kw)
 
 
-class ScalarModel(PreTrainedModel):
+class SeededHeadModel(PreTrainedModel):
+    """A tiny model whose ``nn.Linear`` layers start from the same seeded weights in every run."""
+
+    def _init_weights(self, module):
+        if isinstance(module, nn.Linear):
+            torch.manual_seed(0)
+            module.weight.data.normal_(0, 0.5)
+            module.bias.data.zero_()
+
+
+class ScalarModel(SeededHeadModel):
     """y = a * head(x) + b, with ``a`` and ``b`` 0-dim, as in transformers' RegressionModel, plus a
     ``logit_scale`` used through ``.exp()`` as CLIP does."""
 
@@ -33,12 +43,6 @@ class ScalarModel(PreTrainedModel):
         self.b = nn.Parameter(torch.tensor(0.0))
         self.logit_scale = nn.Parameter(torch.tensor(0.1))
         self.post_init()
-
-    def _init_weights(self, module):
-        if isinstance(module, nn.Linear):
-            torch.manual_seed(0)
-            module.weight.data.normal_(0, 0.5)
-            module.bias.data.zero_()
 
     def forward(self, input_x, labels=None):
         assert self.a.dim() == 0 and self.logit_scale.dim() == 0  # the model's code sees scalars

@@ -12,7 +12,8 @@ import pytest
 import torch
 from datasets import Dataset
 from torch import nn
-from transformers import PretrainedConfig, PreTrainedModel, Trainer, TrainingArguments
+from _scalar_model import SeededHeadModel
+from transformers import PretrainedConfig, Trainer, TrainingArguments
 
 from hf_zero import ZeroTrainer, ZeroTrainingArguments
 
@@ -26,7 +27,7 @@ class HistoryConfig(PretrainedConfig):
         super().__init__(**kw)
 
 
-class HistoryModel(PreTrainedModel):
+class HistoryModel(SeededHeadModel):
     """A regression head whose output is shifted by the mean of the last ``keep`` batch means of
     the targets seen in training (a buffer of 0, 1, ..., ``keep`` elements)."""
 
@@ -37,12 +38,6 @@ class HistoryModel(PreTrainedModel):
         self.head = nn.Linear(config.hidden, 1)
         self.register_buffer("history", torch.zeros(0))
         self.post_init()
-
-    def _init_weights(self, module):
-        if isinstance(module, nn.Linear):
-            torch.manual_seed(0)
-            module.weight.data.normal_(0, 0.5)
-            module.bias.data.zero_()
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         saved = state_dict.get(prefix + "history")
