@@ -2,8 +2,9 @@
 
 Usage (under torchrun): deepspeed_resume_worker.py CASE STAGE OUT_JSON
 
-The arguments are those of scripts/make_deepspeed_fixtures.py's DeepSpeed run (2 ranks x batch 2,
-the same data, schedule and clipping); rank 0 writes the logged losses to OUT_JSON.
+The arguments are those of scripts/make_deepspeed_fixtures.py's DeepSpeed run (the same data,
+schedule and clipping, 4 samples per step: 2 ranks x batch 2, or 4 ranks x batch 1); rank 0 writes
+the logged losses to OUT_JSON.
 """
 
 from __future__ import annotations
@@ -20,6 +21,10 @@ import torch.distributed as dist
 DATA = Path(__file__).resolve().parents[1] / "unit" / "data" / "deepspeed_checkpoints"
 
 
+def dist_world() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
 def main(case: str, stage: int, out: str) -> None:
     from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -33,7 +38,7 @@ def main(case: str, stage: int, out: str) -> None:
                         generator=torch.Generator().manual_seed(11))
     data = [{"input_ids": row, "labels": row} for row in ids]
     args = ZeroTrainingArguments(
-        output_dir=os.path.join(os.path.dirname(out), "run"), per_device_train_batch_size=2, max_steps=info["steps"],
+        output_dir=os.path.join(os.path.dirname(out), "run"), per_device_train_batch_size=4 // dist_world(), max_steps=info["steps"],
         save_strategy="no", logging_steps=1, learning_rate=3e-2, weight_decay=0.01, warmup_steps=1,
         lr_scheduler_type="linear", seed=7, report_to="none", disable_tqdm=True, use_cpu=True,
         bf16=info["dtype"] == "bf16", zero_config={"zero_optimization": {"stage": stage}, "gradient_clipping": 1.0})
