@@ -357,7 +357,7 @@ def test_layouts_hf_zero_does_not_read(tmp_path):
     assert "global_step9" in _error(ckpt) and "does not exist" in _error(ckpt)
 
 
-def _resume(case: str, stage: int, tmp_path: Path, checkpoint_dir: Path | None = None) -> list[float]:
+def _resume(case: str, stage: int, tmp_path: Path, checkpoint_dir: Path | None = None, zero: dict | None = None) -> list[float]:
     """ZeroTrainer on 1 process resuming the 2-rank DeepSpeed checkpoint of ``case`` at ``stage``, with
     the arguments of the DeepSpeed run (one process of batch 4 = two of batch 2: the same samples
     per step, in the same order); the losses it logs, steps 1-2 from the checkpoint's trainer_state."""
@@ -373,7 +373,7 @@ def _resume(case: str, stage: int, tmp_path: Path, checkpoint_dir: Path | None =
         output_dir=str(tmp_path / "run"), per_device_train_batch_size=4, max_steps=info["steps"], save_strategy="no",
         logging_steps=1, learning_rate=3e-2, weight_decay=0.01, warmup_steps=1, lr_scheduler_type="linear", seed=7,
         report_to="none", disable_tqdm=True, use_cpu=True, bf16=info["dtype"] == "bf16",
-        zero_config={"zero_optimization": {"stage": stage}, "gradient_clipping": 1.0})
+        zero_config={"zero_optimization": {"stage": stage, **(zero or {})}, "gradient_clipping": 1.0})
     torch.manual_seed(123)  # weights unlike the checkpoint's: resuming must replace them all
     model = GPT2LMHeadModel(GPT2Config(**info["model_config"]))
     if info["dtype"] == "bf16":
@@ -383,16 +383,17 @@ def _resume(case: str, stage: int, tmp_path: Path, checkpoint_dir: Path | None =
     return [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
 
 
-@pytest.mark.parametrize("case,stage", [("zero3_fp32", 3), ("zero2_fp32", 3), ("zero2_bf16", 2)])
-def test_resume_continues_deepspeeds_run(case, stage, tmp_path):
+@pytest.mark.parametrize("case,stage,zero", [("zero3_fp32", 3, None), ("zero2_fp32", 3, None), ("zero2_bf16", 2, None),
+                                             ("zero3_fp32", 3, {"offload_optimizer": {"device": "cpu"}})])
+def test_resume_continues_deepspeeds_run(case, stage, zero, tmp_path):
     """Steps 3-4 after resuming DeepSpeed's checkpoint-2 log DeepSpeed's own resumed losses
     (MANIFEST resumed_losses, DeepSpeed resuming the same files on 2 ranks). fp32: 1e-4 relative
     (issue 29's bound; measured 7.6e-8: reduction order). bf16: 2^-8 relative, one bf16 rounding
     of the 16-bit weights the forward uses (measured 2.6e-5 at step 4). A ZeRO-2 run resumes at
-    stage 3. DeepSpeed's files are not changed."""
+    stage 3, and into an engine with its optimizer offloaded to the CPU. DeepSpeed's files are not changed."""
     files = sorted(p for p in checkpoint(case).rglob("*") if p.is_file())
     before = {p: p.read_bytes() for p in files}
-    losses = _resume(case, stage, tmp_path)
+    losses = _resume(case, stage, tmp_path, zero=zero)
     want = manifest(case)["resumed_losses"]
     rtol = 1e-4 if manifest(case)["dtype"] == "fp32" else 2.0 ** -8
     assert losses[:2] == want[:2]  # the Trainer's log of steps 1-2, from trainer_state.json
