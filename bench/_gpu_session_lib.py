@@ -145,11 +145,11 @@ def pick_lora(profile: Profile, seconds_left: float) -> Workload | None:
     return None
 
 
-def full_phase_deadline(profile: Profile, start: float) -> float:
-    """When the full fine-tune's last row must have ended: the budget less the smallest LoRA
-    workload and the summary, so that a slow full phase still leaves the LoRA rows their turn."""
-    smallest = min(w.need_s for w in profile.lora)
-    return start + profile.budget_s - smallest - profile.summary_reserve_s
+def full_phase_deadline(profile: Profile, start: float, budget_s: float | None = None, lora_follows: bool = True) -> float:
+    """When the full fine-tune's last row must have ended: the budget less the summary and, when
+    the LoRA rows follow, the smallest LoRA workload, so that a slow full phase leaves them their turn."""
+    smallest = min(w.need_s for w in profile.lora) if lora_follows else 0.0
+    return start + (profile.budget_s if budget_s is None else budget_s) - smallest - profile.summary_reserve_s
 
 
 def budget_rows(profile: Profile) -> list[list[str]]:

@@ -121,7 +121,7 @@ class Session:
 
 def bundle_logs(work: Path, target: Path) -> None:
     """One tar of the session's logs and every row's log, spec and rank records (models left out)."""
-    tmp = target.with_suffix(".tmp")
+    tmp = work / "logs.tar.gz.tmp"  # not in --out: a session cut short there must leave no extra file
     with tarfile.open(tmp, "w:gz") as tar:
         for path in sorted(work.rglob("*")):
             if not path.is_file():
@@ -141,7 +141,7 @@ def bundle_logs(work: Path, target: Path) -> None:
                 clipped_path.unlink()
             else:
                 tar.add(path, arcname=str(rel))
-    tmp.replace(target)
+    shutil.move(str(tmp), str(target))
 
 
 # ------------------------------------------------------------------------------------------ DeepSpeed
@@ -217,6 +217,8 @@ def run_workload(workload: plan.Workload, session: Session, ds_python: str | Non
         return
     bench_out = session.work / "bench_out"
     bench_out.mkdir(exist_ok=True)
+    for suffix in (".json", ".md", ".png"):  # a rerun's run_bench that dies early must not leave the last run's files
+        (bench_out / f"{workload.name}{suffix}").unlink(missing_ok=True)
     w = replace(workload, configs=tuple(configs))
     cmd = [sys.executable, str(HERE / "run_bench.py"), *w.bench_args(cap=session.profile.cap),
            "--out", str(bench_out), "--tag", workload.name, "--work_dir", str(session.work / workload.name),
@@ -352,7 +354,8 @@ def main(argv: list[str] | None = None) -> int:
             if r.split(":", 1)[1] in plan.DS_BUILD_NEEDED_BY:
                 skip.setdefault(r, "DeepSpeed's cpu_adam did not build (logs/ds_build.log)")
     if "full" in phases:
-        run_workload(profile.full, session, ds_python, skip, min(plan.full_phase_deadline(profile, start), deadline))
+        run_workload(profile.full, session, ds_python, skip,
+                     plan.full_phase_deadline(profile, start, deadline - start, lora_follows="lora" in phases))
         session.write()
     if "lora" in phases:
         left = session.left() - profile.summary_reserve_s

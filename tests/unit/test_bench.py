@@ -352,6 +352,8 @@ def test_session_budget_and_lora_choice():
     # the full phase leaves the smallest LoRA workload and the summary their time
     end = session_lib.full_phase_deadline(gpu, 0.0)
     assert end == gpu.budget_s - gpu.lora[-1].need_s - gpu.summary_reserve_s
+    # a rerun of full rows alone (--phases full --budget_s 200) keeps its whole budget for them
+    assert session_lib.full_phase_deadline(gpu, 10.0, 200.0, lora_follows=False) == 10.0 + 200.0 - gpu.summary_reserve_s
     assert gpu.env_limit_s + gpu.doctor_limit_s < end  # the steps before the benchmark cannot eat it
 
 
