@@ -85,9 +85,14 @@ SCHEDULERS = {
 
 @pytest.mark.parametrize("name", sorted(SCHEDULERS))
 def test_scheduler_types(tmp_path, name):
-    # The engine steps the scheduler the same way at every stage; stage 1 copies the lr into its
-    # partitioned optimizer's groups, stage 3 steps DTensor shards: those three cover the paths.
-    reference = assert_stages_train_like_the_plain_trainer(tmp_path, [0, 1, 3], lr_scheduler_type=name, warmup_steps=1,
+    # Each type is transformers' own scheduler (a LambdaLR), built on the engine's optimizer by
+    # Trainer.create_scheduler and stepped by the engine the same way whatever its type. What differs
+    # by stage is how the rate reaches the optimizer: stage 0 steps whole parameters, stage 1 copies
+    # it into its partitioned optimizer's groups, stage 3 steps DTensor shards. So every type runs at
+    # stage 3 (the layout furthest from the plain Trainer's) and the three paths run once, with cosine
+    # (20 runs instead of 36; the metric-driven schedulers have their own tests below).
+    stages = [0, 1, 3] if name == "cosine" else [3]
+    reference = assert_stages_train_like_the_plain_trainer(tmp_path, stages, lr_scheduler_type=name, warmup_steps=1,
                                                            max_steps=5, **SCHEDULERS[name])
     assert len(set(history(reference, "learning_rate"))) > 1 or name == "constant"
 
