@@ -171,19 +171,11 @@ def consolidate_checkpoint(
             write_safetensors(os.path.join(tmp, filename), shard)
             del shard, request
         bar.close()
-        written = list(plan.files)
-        if plan.index is not None:
-            write_json(os.path.join(tmp, WEIGHTS_INDEX_NAME), plan.index)
-            written.append(WEIGHTS_INDEX_NAME)
         # The checkpoint's own config first, then the tokenizer etc. of the Trainer folder around it.
-        written += _copy_model_files([src, given], tmp, adapter=adapter_keys is not None, dtype=target)
-        if os.path.isdir(out):
-            os.rmdir(out)  # empty (checked above)
-        os.replace(tmp, out)
+        return _publish(tmp, out, plan, [src, given], adapter=adapter_keys is not None, dtype=target)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return written
 
 
 def _is_hf_zero_checkpoint(path: str) -> bool:
@@ -233,18 +225,25 @@ def _consolidate_deepspeed(layout: Any, out: str, target: torch.dtype | None, ma
             bar.update(len(keys))
             del shard, read
         bar.close()
-        written = list(plan.files)
-        if plan.index is not None:
-            write_json(os.path.join(tmp, WEIGHTS_INDEX_NAME), plan.index)
-            written.append(WEIGHTS_INDEX_NAME)
         sources = [layout.checkpoint_dir, os.path.dirname(layout.tag_dir)]
-        written += _copy_model_files(sources, tmp, adapter=False, dtype=target or torch.float32)
-        if os.path.isdir(out):
-            os.rmdir(out)  # empty (checked above)
-        os.replace(tmp, out)
+        return _publish(tmp, out, plan, sources, adapter=False, dtype=target or torch.float32)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def _publish(tmp: str, out: str, plan: Any, sources: list[str], *, adapter: bool,
+             dtype: torch.dtype | None) -> list[str]:
+    """Finish the output built in ``tmp`` (index, config and tokenizer files from ``sources``) and
+    move it to ``out`` in one rename, so no half-written output ever carries its name."""
+    written = list(plan.files)
+    if plan.index is not None:
+        write_json(os.path.join(tmp, WEIGHTS_INDEX_NAME), plan.index)
+        written.append(WEIGHTS_INDEX_NAME)
+    written += _copy_model_files(sources, tmp, adapter=adapter, dtype=dtype)
+    if os.path.isdir(out):
+        os.rmdir(out)  # empty (checked by the caller)
+    os.replace(tmp, out)
     return written
 
 
