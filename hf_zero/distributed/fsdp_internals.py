@@ -60,10 +60,10 @@ class HostGradCopies:
     """FSDP2's copies of the sharded gradients to host memory (``CPUOffloadPolicy``), and the wait
     that makes one of them safe to read inside a post-accumulate-grad hook.
 
-    torch 2.9-2.11 issue the copy with ``non_blocking=True`` into pinned memory and call the hooks
-    before it lands (FSDP2 itself waits only in ``finalize_backward``), so a hook reading
-    ``param.grad`` would read a stale gradient (review N3). Later torch (pytorch#180666, in 2.13)
-    copies synchronously when a hook exists and records no event. :meth:`wait` waits for the
+    torch before pytorch#180666 issues the copy with ``non_blocking=True`` into pinned memory and
+    calls the hooks before it lands (FSDP2 itself waits only in ``finalize_backward``), so a hook
+    reading ``param.grad`` would read a stale gradient (review N3). With that change (torch 2.11.0
+    and 2.13 have it) the copy is synchronous when a hook exists and no event is recorded. :meth:`wait` waits for the
     event FSDP2 recorded after the copy, whatever the version; should FSDP2's internals move, it
     synchronizes the device instead (slow, never stale).
     """

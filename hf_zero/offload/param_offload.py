@@ -26,6 +26,7 @@ checked at start-up so that a torch version that moved it fails with a clear mes
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import threading
 from collections.abc import Iterator
@@ -109,7 +110,7 @@ def fsdp_pins_gradients(grads_hooked: bool) -> bool:
     With a pinned CPU offload policy, FSDP2 moves every reduce-scattered gradient shard with
     ``.to("cpu", non_blocking=True)``: a fresh pinned block per shard, which the host caching
     allocator rounds up to a power of two and keeps after the gradient is freed (review N6). Since
-    pytorch#180666 (April 2026; torch 2.13's ``_fsdp_collectives.foreach_reduce`` has it) the copy
+    pytorch#180666 (torch 2.11's and 2.13's ``_fsdp_collectives.foreach_reduce`` have it) the copy
     is synchronous, into pageable memory, when the parameter has a post-accumulate-grad hook, as
     every parameter hf_zero's offloaded optimizer steps does; older torch pins them anyway. A
     micro-step that adds to a gradient already there copies synchronously into pageable memory,
@@ -117,7 +118,21 @@ def fsdp_pins_gradients(grads_hooked: bool) -> bool:
     """
     if not grads_hooked:
         return True
-    return tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) < (2, 13)
+    return not _fsdp_copies_hooked_grads_synchronously()
+
+
+@functools.lru_cache(maxsize=1)
+def _fsdp_copies_hooked_grads_synchronously() -> bool:
+    # Read from the installed FSDP2, not from its version: the change reached releases before 2.13
+    # (torch 2.11.0's foreach_reduce has it too). Unreadable source: count the pinned copies (safe side).
+    import inspect
+
+    try:
+        from torch.distributed.fsdp._fully_shard import _fsdp_collectives
+
+        return "_post_accumulate_grad_hooks" in inspect.getsource(_fsdp_collectives.foreach_reduce)
+    except (ImportError, AttributeError, OSError, TypeError):
+        return False
 
 
 def planned_shard_bytes(model: nn.Module, world_size: int, compute_itemsize: int | None = None, *,
