@@ -358,7 +358,7 @@ def test_layouts_hf_zero_does_not_read(tmp_path):
 
 
 def _resume(case: str, stage: int, tmp_path: Path, checkpoint_dir: Path | None = None, zero: dict | None = None,
-            trainers: list | None = None) -> list[float]:
+            trainers: list | None = None, max_steps: int | None = None, save: bool = False) -> list[float]:
     """ZeroTrainer on 1 process resuming the 2-rank DeepSpeed checkpoint of ``case`` at ``stage``, with
     the arguments of the DeepSpeed run (one process of batch 4 = two of batch 2: the same samples
     per step, in the same order); the losses it logs, steps 1-2 from the checkpoint's trainer_state."""
@@ -371,7 +371,8 @@ def _resume(case: str, stage: int, tmp_path: Path, checkpoint_dir: Path | None =
                         generator=torch.Generator().manual_seed(11))  # the script's data
     data = [{"input_ids": row, "labels": row} for row in ids]
     args = ZeroTrainingArguments(
-        output_dir=str(tmp_path / "run"), per_device_train_batch_size=4, max_steps=info["steps"], save_strategy="no",
+        output_dir=str(tmp_path / "run"), per_device_train_batch_size=4, max_steps=max_steps or info["steps"],
+        save_strategy="steps" if save else "no",
         logging_steps=1, learning_rate=3e-2, weight_decay=0.01, warmup_steps=1, lr_scheduler_type="linear", seed=7,
         report_to="none", disable_tqdm=True, use_cpu=True, bf16=info["dtype"] == "bf16", fp16=info["dtype"] == "fp16",
         zero_config={"zero_optimization": {"stage": stage, **(zero or {})}, "gradient_clipping": 1.0})
@@ -426,6 +427,20 @@ def test_resume_continues_deepspeeds_fp16_run(tmp_path):
     scaler = trainers[0].zero_engine.loss_scaler
     assert saved["cur_scale"] == 2.0 ** 8 and scaler.loss_scale == saved["cur_scale"]  # 2 clean steps: unchanged
     assert scaler.cur_iter == saved["cur_iter"] + 2 and scaler.last_overflow_iter == saved["last_overflow_iter"]
+
+def test_hf_zeros_own_checkpoint_after_a_deepspeed_resume_resumes(tmp_path):
+    """A run resumed from DeepSpeed's checkpoint-2 saves its next checkpoints in hf_zero's own layout
+    (zero_state/, no global_step folder; every 2 steps, the save_steps the Trainer takes from
+    DeepSpeed's trainer_state.json); resuming checkpoint-4 logs the uninterrupted run's steps 5-6
+    (the same arithmetic in one process: 1e-6 relative). Steps 3-4 are DeepSpeed's (fp32 bound)."""
+    first = _resume("zero2_fp32", 3, tmp_path / "a", max_steps=6, save=True)
+    saved = tmp_path / "a" / "run" / "checkpoint-4"
+    assert (saved / "zero_state").is_dir() and not list(saved.glob("global_step*")) and not (saved / "latest").exists()
+    again = _resume("zero2_fp32", 3, tmp_path / "b", checkpoint_dir=saved, max_steps=6)
+    assert len(first) == len(again) == 6 and again[:4] == first[:4]  # steps 1-4 from checkpoint-4's trainer_state
+    torch.testing.assert_close(torch.tensor(again[4:]), torch.tensor(first[4:]), rtol=1e-6, atol=0)
+    want = manifest("zero2_fp32")["resumed_losses"]
+    torch.testing.assert_close(torch.tensor(first[2:4]), torch.tensor(want[2:]), rtol=1e-4, atol=0)
 
 def test_resume_reads_the_model_part_by_part(tmp_path, monkeypatch):
     """With parts of at most 100 values (each tensor in a read of its own but the smallest), the
