@@ -6,7 +6,9 @@ shard). Others fail deep inside their step: transformers' Adafactor builds its f
 as plain tensors ("got mixed torch.Tensor and DTensor"), bitsandbytes' kernels have no DTensor
 rule ("does not have a sharding strategy registered"), torchao's compiled low-bit steps assert on
 shapes. Those messages do not say that the stage is the cause or what to do, so the first step of
-each optimizer runs under :func:`explain_sharded_step`, which re-raises with both.
+each optimizer runs under :func:`explain_sharded_step`, which re-raises with both. Errors that
+cannot be about the layout (hf_zero's and torch's own optimizers, collectives, offload backends)
+pass through unchanged.
 """
 
 from __future__ import annotations
@@ -33,6 +35,22 @@ def _steps_dtensors(optimizer: torch.optim.Optimizer) -> bool:
     return any(isinstance(p, DTensor) for group in optimizer.param_groups for p in group["params"])
 
 
+# Optimizers written for DTensor shards: a failure of theirs is not about the layout (review N2:
+# LAMB's norms on host shards failed inside a collective and were relabelled, which misled).
+_SHARD_AWARE_MODULES = ("hf_zero.", "torch.optim.")
+
+
+def _may_be_about_the_layout(optimizer: torch.optim.Optimizer, err: BaseException) -> bool:
+    """Whether ``err`` can be the optimizer not working on DTensor shards (else it is re-raised as is):
+    not for hf_zero's and torch's own optimizers, nor for a collective's or an offload backend's error."""
+    import torch.distributed as dist
+
+    if type(optimizer).__module__.startswith(_SHARD_AWARE_MODULES):
+        return False
+    backend_error = getattr(dist, "DistError", None)
+    return not (backend_error is not None and isinstance(err, backend_error))
+
+
 @contextlib.contextmanager
 def explain_sharded_step(optimizer: torch.optim.Optimizer, stage: int) -> Iterator[None]:
     """Run an optimizer step; on sharded parameters, a failure of an optimizer's first step becomes a
@@ -46,7 +64,7 @@ def explain_sharded_step(optimizer: torch.optim.Optimizer, stage: int) -> Iterat
     except (RuntimeError, NotImplementedError, AssertionError, TypeError, ValueError) as err:
         from hf_zero.offload.base import OffloadError
 
-        if isinstance(err, OffloadError):  # the offload backends' own errors say what is wrong already
+        if isinstance(err, OffloadError) or not _may_be_about_the_layout(optimizer, err):
             raise
         name = f"{type(optimizer).__module__}.{type(optimizer).__qualname__}"
         first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__

@@ -155,6 +155,21 @@ def test_optimizer_that_cannot_step_shards_names_the_stage_and_the_way_out(stage
     assert isinstance(err.value.__cause__, RuntimeError)
 
 
+def test_a_shard_aware_optimizers_own_failure_is_not_relabelled(monkeypatch):
+    """LAMB's host-shard collective failure (review N2) was reported as "failed at its first step on
+    ZeRO stage 3's sharded parameters ... use stage 1": wrong cause, wrong advice. hf_zero's and
+    torch's own optimizers step shards; their errors pass through unchanged."""
+    from hf_zero.optim.lamb import Lamb
+
+    def broken_step(self, closure=None):
+        raise RuntimeError("No backend type associated with device type cpu")
+
+    monkeypatch.setattr(Lamb, "step", broken_step)
+    with pytest.raises(RuntimeError, match="No backend type") as err:
+        _engine(lambda ps: Lamb(ps, lr=0.05), 3, steps=1)
+    assert not isinstance(err.value, ShardedOptimizerError)
+
+
 def test_the_same_optimizer_steps_whole_parameters_at_stage_1():
     expected = _reference(lambda ps: PlainStateSGD(ps))
     for a, b in zip(_engine(lambda ps: PlainStateSGD(ps), 1), expected):
