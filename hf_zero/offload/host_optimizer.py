@@ -25,7 +25,7 @@ parameters, so LR schedulers and the Trainer set the learning rate on it as on a
 copies the hyper-parameters into its inner optimizers before each step.
 
 Numerics: the gradients are the exact fp32 reduce-scatter outputs (FSDP2 casts them to the 16-bit
-parameter dtype afterwards; the all-reduce hook keeps the fp32 buffer, see :class:`_FsdpGradFeed`),
+parameter dtype afterwards; the all-reduce hook keeps the fp32 buffer, see :class:`~hf_zero.offload.grad_feeds.FsdpGradFeed`),
 the master weights start from the fp32 weights and the update is the same torch kernel, so an
 offloaded run reproduces the losses and weights of a non-offloaded run of the same config.
 """

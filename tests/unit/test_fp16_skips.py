@@ -83,16 +83,16 @@ def test_staged_accumulation_judges_the_sum_and_leaves_no_residue(stage, tmp_pat
 
 
 def test_gradient_layout_is_checked_again_after_a_nan_step(monkeypatch):
-    """The layout check of FSDP2's fp32 reduce-scatter output (offload/manager.py) takes nan for
+    """The layout check of FSDP2's fp32 reduce-scatter output (offload/grad_feeds.py) takes nan for
     nan, so that an overflowed fp16 step does not stop the run; such a step proves nothing about
     the layout, so the next one checks it again and a wrong layout still stops the first update."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from hf_zero.offload import manager
+    from hf_zero.offload import grad_feeds
     from hf_zero.offload.base import OffloadError
 
     # every read one element behind the last: in bounds, wrong values
-    monkeypatch.setattr(manager, "_padded_shard_numel", lambda param, world: max(1, param.numel() - 1))
+    monkeypatch.setattr(grad_feeds, "padded_shard_numel", lambda param, world: max(1, param.numel() - 1))
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                          num_attention_heads=2, num_key_value_heads=1))

@@ -39,10 +39,10 @@ class _CopyInFlight:
 def _late_fsdp_host_copies(monkeypatch) -> list[str]:
     """Make FSDP2's copy of every gradient to the host land only when its event is waited for, as
     on torch 2.9-2.11 with a pinned ``CPUOffloadPolicy``. Returns the log of landed copies."""
-    from hf_zero.offload.manager import _FsdpGradFeed
+    from hf_zero.offload.grad_feeds import FsdpGradFeed
 
     log: list[str] = []
-    on_grad = _FsdpGradFeed._on_grad
+    on_grad = FsdpGradFeed._on_grad
 
     def late(self, param):
         local = param.grad.to_local()
@@ -51,7 +51,7 @@ def _late_fsdp_host_copies(monkeypatch) -> list[str]:
         fsdp_param.grad_offload_event = _CopyInFlight(local, local.clone(), log)
         on_grad(self, param)
 
-    monkeypatch.setattr(_FsdpGradFeed, "_on_grad", late)  # before the engine registers it
+    monkeypatch.setattr(FsdpGradFeed, "_on_grad", late)  # before the engine registers it
     return log
 
 

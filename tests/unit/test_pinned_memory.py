@@ -195,13 +195,13 @@ def test_gradient_layout_check_raises_before_the_update(monkeypatch):
     """The check that FSDP2's fp32 reduce-scatter output is laid out as hf_zero reads it (now on
     the device, verdict read once before the step; it used to synchronize per gradient) still
     stops a wrong layout before any parameter changes."""
-    from hf_zero.offload import manager
+    from hf_zero.offload import grad_feeds
     from hf_zero.offload.base import OffloadError
 
     cfg = _config(2)
     cfg["bf16"] = {"enabled": True}
     # every read one element behind the last: in bounds, wrong values
-    monkeypatch.setattr(manager, "_padded_shard_numel", lambda param, world: max(1, param.numel() - 1))
+    monkeypatch.setattr(grad_feeds, "padded_shard_numel", lambda param, world: max(1, param.numel() - 1))
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
