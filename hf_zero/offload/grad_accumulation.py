@@ -86,6 +86,10 @@ class StagedAccumulation:
         view = block[:n]
         copies = accel.PendingCopies()  # this copy's own event: the worker waits for nothing else
         copies.copy(view, src.reshape(-1))
+        # The source is a slice of FSDP2's reduce-scatter output, allocated on another stream: the
+        # allocator must not hand its block out again before this copy has run, whenever the
+        # output itself is dropped (review F6; seen on torch 2.9.1 under the fake accelerator).
+        accel.record_stream(src)
         self._pending.append(self._worker.submit(self._add, copies, dst, view, block))
         self.staged += 1
 

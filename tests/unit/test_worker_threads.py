@@ -111,3 +111,35 @@ def test_every_thread_hf_zero_starts_selects_the_ranks_device():
     assert not offenders, "\n".join(offenders)
     code = "import concurrent.futures as cf\ncf.ThreadPoolExecutor(1)\ncf.ThreadPoolExecutor(1, initializer=accel.thread_initializer())\n"
     assert [s for _, _, s in _thread_starts(ast.parse(code))] == [False, True]
+
+
+def test_a_staged_add_keeps_its_source_block_until_its_copy_has_run():
+    """The staged accumulation copy (offload/grad_accumulation.py) reads a slice of FSDP2's
+    reduce-scatter output on the hook's side stream, and its worker lands it later. If the output
+    is dropped first, the caching allocator may hand the block out again before the copy has run
+    (review F6): the add must protect its own source (record_stream), not rely on the feed's
+    release of the whole output. On torch 2.9.1 the test_fp16_skips staged case failed about every
+    other run without it. Here the worker is held until the output is gone; without the
+    record_stream in StagedAccumulation.add the added values are the fake's poison."""
+    from hf_zero.offload.grad_accumulation import StagedAccumulation
+
+    gate = threading.Event()
+    with fake_accelerator() as fake:
+        accel.select_device(1)
+        acc = StagedAccumulation(largest_numel=8, pin=True, setting="offload_optimizer.pin_memory",
+                                 before_add=lambda: gate.wait(10))
+        assert acc.usable()
+        dst = accel.pinned_empty(16, torch.float32)  # bytes: 4 floats
+        dst.fill_(1.0)
+        try:
+            output = torch.arange(8.0)  # FSDP2's reduce-scatter output, allocated on another stream
+            with torch.cpu.stream(torch.cpu.Stream()):  # the hook runs on FSDP2's all-reduce stream
+                acc.add(dst, output[2:6])
+            del output  # FSDP2 and the feed drop it; the copy has not run yet
+            gate.set()
+            acc.drain()
+        finally:
+            gate.set()
+            acc.close()
+        assert fake.reused == 0
+        assert torch.equal(dst, torch.arange(3.0, 7.0))
