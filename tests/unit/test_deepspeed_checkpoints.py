@@ -387,7 +387,8 @@ def _resume(case: str, stage: int, tmp_path: Path, checkpoint_dir: Path | None =
     return [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
 
 
-@pytest.mark.parametrize("case,stage,zero", [("zero3_fp32", 3, None), ("zero2_fp32", 3, None), ("zero2_bf16", 2, None),
+@pytest.mark.parametrize("case,stage,zero", [("zero3_fp32", 3, None), ("zero2_fp32", 3, None), ("zero1_fp32", 1, None),
+                                             ("zero2_bf16", 2, None),
                                              ("zero3_fp32", 3, {"offload_optimizer": {"device": "cpu"}})])
 def test_resume_continues_deepspeeds_run(case, stage, zero, tmp_path):
     """Steps 3-4 after resuming DeepSpeed's checkpoint-2 log DeepSpeed's own resumed losses
