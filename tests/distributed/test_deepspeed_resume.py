@@ -33,3 +33,17 @@ def test_ranks_continue_deepspeeds_run(case, stage, nproc, tmp_path):
     assert losses[:2] == want[:2]
     rtol = 1e-4 if info["dtype"] == "fp32" else 2.0 ** -8
     torch.testing.assert_close(torch.tensor(losses[2:]), torch.tensor(want[2:]), rtol=rtol, atol=0)
+
+
+@pytest.mark.slow
+def test_one_ranks_unreadable_file_stops_every_rank(tmp_path):
+    """Rank 1 cannot read DeepSpeed's files (an I/O error, a file its node lacks): it raises that
+    error, and rank 0, whose reads went well, raises a CheckpointError quoting it instead of going
+    on into the load's collectives or the first step (where it would wait for rank 1)."""
+    out = tmp_path / "result.json"
+    torchrun(HERE / "deepspeed_resume_worker.py", "zero2_fp32", "2", str(out), "fail_on_rank1", timeout=240)
+    rank0 = json.loads(Path(f"{out}.rank0").read_text())
+    rank1 = json.loads(Path(f"{out}.rank1").read_text())
+    assert rank1 == {"type": "OSError", "message": "injected: rank 1 cannot read the rank files"}
+    assert rank0 is not None and rank0["type"] == "CheckpointError", rank0
+    assert "reading DeepSpeed's checkpoint" in rank0["message"] and "injected: rank 1" in rank0["message"]

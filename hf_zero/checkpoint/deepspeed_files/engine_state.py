@@ -30,6 +30,7 @@ from hf_zero.checkpoint.deepspeed_files.fp32_weights import DeepSpeedWeights
 from hf_zero.checkpoint.deepspeed_files.layout import DeepSpeedLayout, find_deepspeed_checkpoint
 from hf_zero.checkpoint.deepspeed_files.restricted_load import load_deepspeed_file
 from hf_zero.checkpoint.errors import CheckpointError
+from hf_zero.distributed.collectives import agree_on_error
 
 __all__ = ["load_deepspeed_checkpoint"]
 
@@ -41,12 +42,26 @@ def load_deepspeed_checkpoint(engine: Any, checkpoint_dir: str | os.PathLike, *,
         CheckpointError: not a DeepSpeed checkpoint, one hf_zero does not read, or one of another
             model (the names differ) or of parameters trained differently (frozen in one only).
     """
+    state = engine.state_dict()  # before anything can fail: every rank takes the same part in it
+    error: BaseException | None = None
+    try:
+        layout = _read_into(state, checkpoint_dir, tag)
+    except Exception as exc:  # noqa: BLE001 - every rank must hear of it before the collectives of the load
+        error = exc
+    # One rank's unreadable file (an I/O error, a file another node lacks) must not leave the other
+    # ranks waiting in load_state_dict's collectives.
+    agree_on_error(error, f"reading DeepSpeed's checkpoint {os.fspath(checkpoint_dir)}", error_type=CheckpointError)
+    engine.load_state_dict(state)
+    return layout
+
+
+def _read_into(state: dict[str, Any], checkpoint_dir: str | os.PathLike, tag: str | None) -> DeepSpeedLayout:
+    """Fill ``state`` (the engine's own ``state_dict()``) from DeepSpeed's files; touches no collective."""
     layout = find_deepspeed_checkpoint(checkpoint_dir, tag)
     if layout is None:
         raise CheckpointError(f"{os.fspath(checkpoint_dir)} is not a DeepSpeed checkpoint (no 'latest', no "
                               "global_step*/ folder with *_model_states.pt files)")
     weights = DeepSpeedWeights(layout)
-    state = engine.state_dict()
     source = {**{n: n for n in weights.entries}, **weights.aliases}
     module_state: dict[str, Any] = state["module"]
     unknown = [k for k in module_state if k not in source]
@@ -75,7 +90,6 @@ def load_deepspeed_checkpoint(engine: Any, checkpoint_dir: str | os.PathLike, *,
     accumulation = int(config.get("gradient_accumulation_steps", 1) or 1)
     counters.update(global_steps=steps, micro_steps=steps * accumulation,
                     skipped_steps=int(model_state.get("skipped_steps", 0)))
-    engine.load_state_dict(state)
     return layout
 
 
