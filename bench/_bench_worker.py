@@ -169,8 +169,21 @@ def run(spec: dict, record: dict, rank: int, local_rank: int, world: int) -> Non
         trainer_cls = ZeroTrainer
     if cuda:
         torch.cuda.reset_peak_memory_stats(local_rank)
-    trainer = trainer_cls(model=model, args=args, train_dataset=dataset, callbacks=[StepTimer()])
+    callbacks = [StepTimer()]
+    profile = None
+    if spec.get("memory_profile") and cuda:
+        from _memory_profile import MemoryProfile
+
+        profile = MemoryProfile(model, int(spec["memory_profile"]))
+        callbacks.append(profile.callback)
+    trainer = trainer_cls(model=model, args=args, train_dataset=dataset, callbacks=callbacks)
     trainer.train()
+    if profile is not None and rank == 0:
+        from _memory_profile import render_markdown
+
+        out = Path(spec["result_dir"])
+        (out / "memory_profile.json").write_text(json.dumps(profile.result(), indent=1))
+        (out / "memory_profile.md").write_text(render_markdown(spec["name"], profile.phases, profile.peak))
 
     record["step_times_s"] = step_times
     record["losses"] = losses

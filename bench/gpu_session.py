@@ -51,7 +51,7 @@ DEFAULT_CPU_DS_PYTHON = os.environ.get("HF_ZERO_DEEPSPEED_PYTHON", "/tmp/ds-venv
 """The dry run's DeepSpeed (a separate venv with the same torch: DeepSpeed is never hf_zero's dependency)."""
 OUT_FILES = ("session.md", "session.json", "full.json", "full.png", "lora.json", "lora.png", "logs.tar.gz")
 """Everything the session writes to --out: 7 files, under the device tool's 8 (the call's tee adds console.log)."""
-_LOG_NAMES = ("log.txt", "spec.json")
+_LOG_NAMES = ("log.txt", "spec.json", "memory_profile.md", "memory_profile.json")
 _MAX_LOG_BYTES = 2 * 1024 * 1024
 
 
@@ -70,6 +70,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--only", default=None,
                    help="comma-separated rows to run, each NAME (in every workload) or WORKLOAD:NAME, e.g. "
                         "full:ds3_opt_cpu,lora:zero3 (a rerun of a few rows; the quick test); the others are listed as not selected")
+    p.add_argument("--memory_profile", type=int, default=None, metavar="STEP",
+                   help="run_bench.py --memory_profile STEP for every row: per-phase peaks and the blocks alive at the peak "
+                        "(memory_profile.md in each row's folder of logs.tar.gz)")
     return p
 
 
@@ -205,7 +208,7 @@ def finish_build(build: Build, session: Session) -> bool:
 
 # ------------------------------------------------------------------------------------------ benchmarks
 def run_workload(workload: plan.Workload, session: Session, ds_python: str | None, skip: dict[str, str],
-                 deadline: float) -> None:
+                 deadline: float, memory_profile: int | None = None) -> None:
     """One run_bench.py invocation; its JSON/PNG copied to --out as <workload>.json/.png."""
     configs = [c for c in workload.configs if f"{workload.name}:{c}" not in skip]
     for c in workload.configs:
@@ -225,6 +228,8 @@ def run_workload(workload: plan.Workload, session: Session, ds_python: str | Non
            "--deadline", f"{deadline:.0f}", "--min_run_s", str(session.profile.min_run_s)]
     if ds_python:
         cmd += ["--deepspeed_python", ds_python]
+    if memory_profile:
+        cmd += ["--memory_profile", str(memory_profile)]
     # The bench's own overhead (model creation, estimates, plot) on top of the rows' deadline.
     session.step(workload.name, cmd, deadline - time.time() + 90, env=_env())
     src = bench_out / f"{workload.name}.json"
@@ -355,7 +360,8 @@ def main(argv: list[str] | None = None) -> int:
                 skip.setdefault(r, "DeepSpeed's cpu_adam did not build (logs/ds_build.log)")
     if "full" in phases:
         run_workload(profile.full, session, ds_python, skip,
-                     plan.full_phase_deadline(profile, start, deadline - start, lora_follows="lora" in phases))
+                     plan.full_phase_deadline(profile, start, deadline - start, lora_follows="lora" in phases),
+                     args.memory_profile)
         session.write()
     if "lora" in phases:
         left = session.left() - profile.summary_reserve_s
@@ -364,7 +370,7 @@ def main(argv: list[str] | None = None) -> int:
             session.record["plan"]["lora"] = list(profile.lora[-1].configs)
             session.record["not_run"]["lora"] = f"{left:.0f} s left, the smallest LoRA workload needs {profile.lora[-1].need_s:.0f} s"
         else:
-            run_workload(lora, session, ds_python, skip, deadline - profile.summary_reserve_s)
+            run_workload(lora, session, ds_python, skip, deadline - profile.summary_reserve_s, args.memory_profile)
     session.write()
     rec = session.record
     print(lib.markdown_table(plan.RESULT_HEADER, plan.result_rows(rec["plan"], rec["payloads"], rec["not_run"])))

@@ -123,6 +123,11 @@ def build_parser() -> argparse.ArgumentParser:
         "tokens/s shows 'best (median of rounds)'. Use 3 on a shared machine.",
     )
     o.add_argument("--no_plot", action="store_true")
+    o.add_argument(
+        "--memory_profile", type=int, default=None, metavar="STEP",
+        help="CUDA only: record per-phase peaks (forward, backward, step) every step and the allocator history of "
+        "optimizer step STEP; each run writes memory_profile.json/.md (the blocks alive at the peak) to its folder",
+    )
     return p
 
 
@@ -311,6 +316,7 @@ def worker_spec(config: lib.BenchConfig, args: argparse.Namespace, model_dir: Pa
         "gradient_checkpointing": args.gradient_checkpointing,
         "gpu_memory_cap_bytes": None if config.name in getattr(args, "uncapped_names", ()) else args.cap_bytes,
         "layer_cls": ["Qwen2DecoderLayer"],
+        "memory_profile": getattr(args, "memory_profile", None),
     }
     if config.stage is not None:
         nvme = None
