@@ -183,7 +183,7 @@ def run(spec: dict, record: dict, rank: int, local_rank: int, world: int) -> Non
 
         out = Path(spec["result_dir"])
         (out / "memory_profile.json").write_text(json.dumps(profile.result(), indent=1))
-        (out / "memory_profile.md").write_text(render_markdown(spec["name"], profile.phases, profile.peak))
+        (out / "memory_profile.md").write_text(render_markdown(spec["name"], profile.phases, profile.peak, profile.setup_peak))
 
     record["step_times_s"] = step_times
     record["losses"] = losses
@@ -192,6 +192,8 @@ def run(spec: dict, record: dict, rank: int, local_rank: int, world: int) -> Non
     record["end_rss_bytes"] = rss_bytes()
     if cuda:
         record["peak_accel_bytes"] = torch.cuda.max_memory_allocated(local_rank)
+        if profile is not None:  # the profile resets the counter per phase; it kept the overall peak
+            record["peak_accel_bytes"] = max(record["peak_accel_bytes"], profile.overall_peak)
         record["peak_accel_reserved_bytes"] = torch.cuda.max_memory_reserved(local_rank)
     else:
         record["peak_accel_bytes"] = None

@@ -103,10 +103,14 @@ def live_at_peak(trace: list[dict[str, Any]], allocated_at_start: int, top: int 
     }
 
 
-def render_markdown(name: str, phases: list[dict[str, Any]], peak: dict[str, Any] | None) -> str:
-    """The profile as Markdown: per-step phase peaks, then the blocks alive at the recorded peak."""
+def render_markdown(name: str, phases: list[dict[str, Any]], peak: dict[str, Any] | None,
+                    setup_peak: int | None = None) -> str:
+    """The profile as Markdown: the setup's peak, per-step phase peaks, then the blocks alive at the recorded peak."""
     gib = 2**30
-    lines = [f"# Memory profile: {name}", "", "| step | forward peak | backward peak | optimizer step peak | allocated after step |",
+    lines = [f"# Memory profile: {name}", ""]
+    if setup_peak is not None:
+        lines += [f"Peak before the first step (model placement, the engine's setup): {setup_peak / gib:.2f} GiB.", ""]
+    lines += ["| step | forward peak | backward peak | optimizer step peak | allocated after step |",
              "|---:|---:|---:|---:|---:|"]
     for p in phases:
         cells = [f"{p.get(k, 0) / gib:.2f} GiB" if p.get(k) is not None else "-"
@@ -146,6 +150,8 @@ class MemoryProfile:
         self.max_entries = max_entries
         self.phases: list[dict[str, Any]] = []
         self.peak: dict[str, Any] | None = None
+        self.setup_peak: int | None = None  # before the first step: the engine's setup, the model's move
+        self.overall_peak = 0  # what max_memory_allocated would say without the resets below
         self._current: dict[str, Any] = {}
         self._recording_start = 0
         profile = self
@@ -170,6 +176,7 @@ class MemoryProfile:
         cuda = self._cuda
         cuda.synchronize()
         self._current[key] = cuda.max_memory_allocated()
+        self.overall_peak = max(self.overall_peak, self._current[key])
         cuda.reset_peak_memory_stats()
 
     def _forward_done(self) -> None:
@@ -179,6 +186,10 @@ class MemoryProfile:
     def _step_begin(self, step: int) -> None:
         cuda = self._cuda
         cuda.synchronize()
+        before = cuda.max_memory_allocated()  # since the last reset: the setup, or the end of the last step
+        if self.setup_peak is None:
+            self.setup_peak = before
+        self.overall_peak = max(self.overall_peak, before)
         cuda.reset_peak_memory_stats()
         self._current = {"step": step, "before_step": cuda.memory_allocated()}
         if step == self.record_step:
@@ -189,6 +200,7 @@ class MemoryProfile:
         cuda = self._cuda
         cuda.synchronize()
         self._current["after_step"] = cuda.memory_allocated()
+        self.overall_peak = max(self.overall_peak, cuda.max_memory_allocated())
         self.phases.append(self._current)
         if self._current.get("step") == self.record_step:
             try:  # a profile is a bonus: the row's timing must not fail with it
@@ -202,4 +214,5 @@ class MemoryProfile:
         self._current = {}
 
     def result(self) -> dict[str, Any]:
-        return {"record_step": self.record_step, "phases": self.phases, "peak": self.peak, "error": self.error}
+        return {"record_step": self.record_step, "setup_peak": self.setup_peak, "overall_peak": self.overall_peak,
+                "phases": self.phases, "peak": self.peak, "error": self.error}

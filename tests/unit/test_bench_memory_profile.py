@@ -94,6 +94,8 @@ def test_callback_records_phase_peaks_and_the_chosen_step():
     cb = prof.callback
     state = SimpleNamespace(global_step=0)
     cuda.alloc(0, 1000)  # parameters
+    cuda.alloc(5, 4000)  # a setup transient (fp32 weights on the way to 16 bit)
+    cuda.free(5, 4000)
     for step in (1, 2):
         cb.on_step_begin(None, state, None)
         cuda.alloc(10 * step, 300)  # activations
@@ -114,5 +116,7 @@ def test_callback_records_phase_peaks_and_the_chosen_step():
     assert (p2["forward_peak"], p2["backward_peak"], p2["step_peak"], p2["after_step"]) == (1300, 1500, 1250, 1000)
     assert out["peak"]["peak_bytes"] == 1500 and out["peak"]["before_recording_bytes"] == 1000
     assert not cuda.recording  # stopped after the recorded step
-    md = mp.render_markdown("zero3_opt_cpu", out["phases"], out["peak"])
+    assert out["setup_peak"] == 5000 and out["overall_peak"] == 5000
+    md = mp.render_markdown("zero3_opt_cpu", out["phases"], out["peak"], out["setup_peak"])
+    assert "first step (model placement, the engine's setup): 0.00 GiB" in md
     assert "| 2 | 0.00 GiB" in md and "hf_zero/x.py:1" in md
