@@ -148,6 +148,7 @@ def fill_sharded_from_rank0(
     *,
     param_device: torch.device | str | None = None,
     method: str = "scatter",
+    master_capture: Any = None,
 ) -> None:
     """Collective; call after ``fully_shard`` with what :func:`capture_full_state` returned. Ranks
     with meta tensors allocate them; every rank then receives its shard of each parameter from
@@ -159,6 +160,11 @@ def fill_sharded_from_rank0(
             device, or the CPU for FSDP units with ``CPUOffloadPolicy``.
         method: ``"scatter"`` (each rank receives only its shard) or ``"broadcast"`` (each rank
             receives the full tensor and keeps its slice; more traffic and memory, any placement).
+        master_capture: an object with ``wants(name) -> bool`` and ``take(name, shard)``: the
+            parameters it wants travel in fp32, and ``take`` gets this rank's fp32 shard (a
+            temporary on the device) before the shard is cast into the parameter. An offloaded
+            optimizer's 16-bit parameters get their fp32 master weights this way, so no fp32
+            copy of them is ever allocated on the accelerator.
     """
     if full_state is None:
         return
@@ -180,7 +186,10 @@ def fill_sharded_from_rank0(
     with torch.no_grad():
         for name, param in params:
             full = full_state.pop(name) if is_source else None
-            _fill_param(param, full, group, device, method)
+            on_shard = None
+            if master_capture is not None and master_capture.wants(name):
+                on_shard = lambda shard, _name=name: master_capture.take(_name, shard)  # noqa: E731
+            _fill_param(param, full, group, device, method, on_shard)
             del full
         for _, buf in buffers:
             _broadcast_into(buf, group, device)
@@ -298,26 +307,32 @@ def _local(param: torch.Tensor) -> torch.Tensor:
     return param.to_local() if hasattr(param, "to_local") else param
 
 
-def _fill_param(param: torch.Tensor, full: torch.Tensor | None, group, device, method: str) -> None:
+def _fill_param(param: torch.Tensor, full: torch.Tensor | None, group, device, method: str,
+                on_shard: Any = None) -> None:
+    """This rank's shard of ``param`` from the source's ``full`` tensor. With ``on_shard``, the
+    values travel in fp32 and ``on_shard(fp32 shard)`` sees them before they are cast into the
+    parameter (the fp32 master weights of a 16-bit parameter)."""
     placements = getattr(param, "placements", None)
     local = _local(param)
+    wire = torch.float32 if on_shard is not None else local.dtype
     if placements is None or all(p.is_replicate() for p in placements):
-        _broadcast_into(local, group, device, src_tensor=full)
+        _broadcast_into(local, group, device, src_tensor=full, wire_dtype=wire, on_value=on_shard)
         return
     if len(placements) != 1 or not placements[0].is_shard():
         raise NotImplementedError(f"filling a DTensor with placements {placements} from rank 0")
     dim = placements[0].dim
     if method == "broadcast":
-        _broadcast_and_slice(param, local, full, group, device)
+        _broadcast_and_slice(param, local, full, group, device, wire, on_shard)
         return
     world = _group_size(group)
     shape = list(param.shape)
     shape[dim] = -(-shape[dim] // world)  # every rank's chunk, padded to the first one's size
-    direct = list(local.shape) == shape and local.is_contiguous() and local.device == device
-    out = local if direct else torch.empty(shape, dtype=local.dtype, device=device)
+    direct = (list(local.shape) == shape and local.is_contiguous() and local.device == device
+              and wire == local.dtype and on_shard is None)
+    out = local if direct else torch.empty(shape, dtype=wire, device=device)
     chunks = None
     if full is not None:
-        src = full.to(device=device, dtype=local.dtype)
+        src = full.to(device=device, dtype=wire)
         pieces = torch.chunk(src, world, dim=dim) if src.shape[dim] else ()
         chunks = []
         for r in range(world):
@@ -325,7 +340,7 @@ def _fill_param(param: torch.Tensor, full: torch.Tensor | None, group, device, m
             if piece is not None and list(piece.shape) == shape and piece.is_contiguous():
                 chunks.append(piece)  # a view of the full tensor: no copy
                 continue
-            padded = torch.zeros(shape, dtype=local.dtype, device=device)
+            padded = torch.zeros(shape, dtype=wire, device=device)
             if piece is not None:
                 padded.narrow(dim, 0, piece.shape[dim]).copy_(piece)
             chunks.append(padded)
@@ -333,31 +348,41 @@ def _fill_param(param: torch.Tensor, full: torch.Tensor | None, group, device, m
     dist.scatter(out, chunks, group=group, group_src=_SOURCE)
     del chunks
     if not direct:
-        local.copy_(out.narrow(dim, 0, local.shape[dim]))
+        shard = out.narrow(dim, 0, local.shape[dim])
+        if on_shard is not None:
+            on_shard(shard)
+        local.copy_(shard)
 
 
-def _broadcast_and_slice(param, local, full, group, device) -> None:
+def _broadcast_and_slice(param, local, full, group, device, wire: torch.dtype | None = None, on_shard: Any = None) -> None:
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-    buf = full.to(device=device, dtype=local.dtype) if full is not None else torch.empty(
-        param.shape, dtype=local.dtype, device=device
+    wire = wire or local.dtype
+    buf = full.to(device=device, dtype=wire) if full is not None else torch.empty(
+        param.shape, dtype=wire, device=device
     )
     dist.broadcast(buf, group=group, group_src=_SOURCE)
     local_shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
     index = tuple(slice(o, o + n) for o, n in zip(offset, local_shape))
+    if on_shard is not None:
+        on_shard(buf[index])
     local.copy_(buf[index])
 
 
-def _broadcast_into(target: torch.Tensor, group, device, src_tensor: torch.Tensor | None = None) -> None:
+def _broadcast_into(target: torch.Tensor, group, device, src_tensor: torch.Tensor | None = None,
+                    wire_dtype: torch.dtype | None = None, on_value: Any = None) -> None:
     """Broadcast the source rank's tensor (``src_tensor`` there, else ``target`` itself) into
-    ``target`` on every rank."""
+    ``target`` on every rank (in ``wire_dtype``, shown to ``on_value`` first, when given)."""
     is_source = _group_rank(group) == _SOURCE
     source = src_tensor if (is_source and src_tensor is not None) else target
-    if target.device == device and target.is_contiguous() and (source is target):
+    wire = wire_dtype or target.dtype
+    if target.device == device and target.is_contiguous() and (source is target) and wire == target.dtype and on_value is None:
         dist.broadcast(target, group=group, group_src=_SOURCE)
         return
-    buf = source.to(device=device, dtype=target.dtype).contiguous() if is_source else torch.empty(
-        target.shape, dtype=target.dtype, device=device
+    buf = source.to(device=device, dtype=wire).contiguous() if is_source else torch.empty(
+        target.shape, dtype=wire, device=device
     )
     dist.broadcast(buf, group=group, group_src=_SOURCE)
+    if on_value is not None:
+        on_value(buf)
     target.copy_(buf)

@@ -277,7 +277,10 @@ class FullyShardedStage:
         # its full tensors, as loaded, for the fill), so the fp32 master cast below allocates
         # nothing: each shard is cast as rank 0 scatters it, and no rank ever holds a full fp32
         # copy of the model (a 70B bf16 model would need 280 GB of host RAM on rank 0 for it).
-        with sharded_from_rank0(model, mesh, sync_all=True, release_parameters=True):
+        # An offloaded optimizer's parameters are 16-bit on the accelerator; their fp32 masters
+        # come from the fill (OffloadManager.wants/take), never through an fp32 device shard.
+        capture = self.offload if self.offload is not None and self.offload.opt_cfg.device != "none" else None
+        with sharded_from_rank0(model, mesh, sync_all=True, release_parameters=True, master_capture=capture):
             _log_cast(cast_to_master_dtypes(model, self.precision.compute_dtype, frozen_in_compute_dtype=True),
                       self.env)
             self.units = find_wrap_units(model)

@@ -182,6 +182,57 @@ def run_plain(workdir: str, kind: str, bf16: bool = False, offload: bool = False
     check(f"{name}/train_step", torch.isfinite(loss).item() and enough, f"loss={float(loss):.4f} moved={moved}/{len(saved)}")
 
 
+def run_fp32_opt_offload(workdir: str) -> None:
+    """fp32 weights, bf16 training, only the optimizer offloaded: the shards reach fully_shard and
+    the fill in bf16, and each rank's fp32 masters are its shard of the saved fp32 weights, exact
+    (they travel in fp32 through the scatter; taken from the bf16 shard they would be rounded)."""
+    import torch.distributed.fsdp as fsdp
+    from safetensors.torch import load_file
+
+    import hf_zero
+    from hf_zero.engine.materialize import low_memory_loading
+
+    name = "fp32-weights-opt-offload"
+    rank, world = dist.get_rank(), dist.get_world_size()
+    path = os.path.join(workdir, "qwen2_tied")
+    with low_memory_loading():
+        model = load(path)
+    seen: list[torch.dtype] = []
+    original = fsdp.fully_shard
+
+    def spy(module, *args, **kwargs):
+        seen.extend(p.dtype for p in module.parameters() if p.requires_grad and not hasattr(p, "placements"))
+        return original(module, *args, **kwargs)
+
+    config = {**ZERO3, "bf16": {"enabled": True},
+              "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", "pin_memory": False}}}
+    fsdp.fully_shard = spy
+    try:
+        engine = hf_zero.initialize(model, config)
+    finally:
+        fsdp.fully_shard = original
+    check(f"{name}/sharded_in_bf16", seen and all(d == torch.bfloat16 for d in seen),
+          f"dtypes fully_shard received: {sorted({str(d) for d in seen})}")
+    saved = load_file(os.path.join(path, "model.safetensors"))
+    names = {p: n for n, p in model.named_parameters()}
+    bad = []
+    for slot in engine.offload.optimizer.slots:
+        n = names[slot.param]
+        local = slot.param.to_local()
+        want = torch.chunk(saved[n].float(), world, dim=0)[rank] if local.numel() else saved[n].float()[:0]
+        if local.dtype != torch.bfloat16 or slot.master.dtype != torch.float32 or \
+                not torch.equal(slot.master.view(local.shape), want.reshape(local.shape)):
+            bad.append(n)
+    rounded = sum(not torch.equal(v.float(), v.to(torch.bfloat16).float()) for v in saved.values())
+    check(f"{name}/masters_exact", not bad and len(engine.offload.optimizer.slots) > 0 and rounded > 0,
+          f"differ={bad[:4]}; saved tensors bf16 cannot hold: {rounded}")
+    ids = input_ids()
+    loss = engine(input_ids=ids, labels=ids).loss
+    engine.backward(loss)
+    engine.step()
+    check(f"{name}/train_step", bool(torch.isfinite(loss).item()), f"loss={float(loss):.4f}")
+
+
 def run_broadcast_and_noop(workdir: str) -> None:
     """The broadcast fill method, and the no-op when no rank has meta tensors."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -343,6 +394,7 @@ def main() -> None:
     for step in (lambda: run_plain(workdir, "qwen2_tied"), lambda: run_plain(workdir, "llama"),
                  lambda: run_plain(workdir, "llama", bf16=True),
                  lambda: run_plain(workdir, "qwen2_tied", bf16=True, offload=True),
+                 lambda: run_fp32_opt_offload(workdir),
                  lambda: run_broadcast_and_noop(workdir), lambda: run_peft(workdir),
                  lambda: run_resize(workdir, "qwen2_tied"), lambda: run_resize(workdir, "llama"),
                  lambda: run_trainer(workdir)):
