@@ -157,8 +157,9 @@ class OffloadManager:
 
         ``fully_shard`` moves parameters to the accelerator in the dtype they have, so casting
         after it (:meth:`_to_compute_dtype`) put a full fp32 copy of every offloaded shard on the
-        accelerator first: on one H100, a 1.5B-parameter model peaked at 12.0 GiB during setup
-        against 7.5 GiB for DeepSpeed, and a 7B model on a 24 GB card ran out of memory there.
+        accelerator first: on one H100, a 1.5B-parameter model peaked at 12.0 GiB, 4.1 GiB above
+        its training steps' peak, against 7.5 GiB for DeepSpeed; a 7B model in one process would
+        need 28 GiB of fp32 shards there (by arithmetic), more than a 24 GB card has.
         Meta parameters (rank 0's weights are scattered after ``fully_shard``) are cast for free
         and receive their fp32 masters from the fill (:meth:`wants` / :meth:`take`); real ones
         (a single process, which keeps its own weights) are this rank's whole shard: their masters

@@ -4,7 +4,7 @@ the weights as loaded.
 ``fully_shard`` moves parameters to the accelerator in the dtype they have. hf_zero used to cast
 the offloaded parameters to 16 bit only after it, so setup held an fp32 copy of every offloaded
 shard on the accelerator: on one H100 a 1.5B model peaked at 12.0 GiB during setup (DeepSpeed:
-7.5 GiB), and a 7B model could not start on a 24 GB card. The spy below records what
+7.5 GiB), and a 7B model in one process would need 28 GiB of fp32 shards there (by arithmetic) on a 24 GB card. The spy below records what
 ``fully_shard`` is handed; the masters must still be the fp32 weights, not values rounded to
 bf16. (The 2-rank case, where the masters come from rank 0's scatter, is in
 tests/distributed/materialize_worker.py: ``fp32-weights-opt-offload``.)
