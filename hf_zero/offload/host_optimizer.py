@@ -75,6 +75,12 @@ from hf_zero.offload.step_threads import step_threads_for_this_rank
 
 __all__ = ["OffloadedOptimizer"]
 
+COPY_BACK_BLOCK = 1 << 25
+"""Elements per host->accelerator copy of updated fp32 masters into 16-bit parameters. The copy
+converts on the accelerator through an fp32 temporary as large as the copy: whole parameters made
+it 0.87 GiB for a 1.5B model's embedding (the step's peak rose from 2.94 to 3.81 GiB on an H100)
+and 2 GiB for a 7B one's. Blocks bound it to 128 MiB."""
+
 
 class OffloadedOptimizer(_NvmeChunks, _OptimizerCheckpoint, _OwnerBroadcast, torch.optim.Optimizer):
     """A torch optimizer that steps fp32 master weights held in host memory or NVMe files.
@@ -527,7 +533,12 @@ class OffloadedOptimizer(_NvmeChunks, _OptimizerCheckpoint, _OwnerBroadcast, tor
             self._param_writer(slot.param, start, values)
             return
         target = _local(slot.param.data).view(-1)[start : start + values.numel()]
-        copies.copy(target, values)
+        if target.dtype == values.dtype or not accel.is_accelerator(target):
+            copies.copy(target, values)
+            return
+        for offset in range(0, values.numel(), COPY_BACK_BLOCK):  # see COPY_BACK_BLOCK
+            end = offset + COPY_BACK_BLOCK
+            copies.copy(target[offset:end], values[offset:end])
 
     # ------------------------------------------------------------------------------------ report
     def memory_report(self) -> TierReport:

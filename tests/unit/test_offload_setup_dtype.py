@@ -78,3 +78,41 @@ def test_offloaded_parameters_are_sharded_in_16_bit_with_exact_fp32_masters(stag
         assert moved == len(masters)
     finally:
         engine.close() if hasattr(engine, "close") else None
+
+
+def test_updated_masters_reach_16_bit_parameters_in_bounded_blocks(monkeypatch):
+    """The copy of the stepped fp32 masters into 16-bit accelerator parameters converts through an
+    fp32 temporary on the accelerator as large as one copy (on an H100 a 1.5B model's step peaked
+    0.87 GiB above its parameters: the embedding in fp32). Copies are cut into COPY_BACK_BLOCK
+    elements; the parameters still end equal to their masters rounded to bf16."""
+    from hf_zero.distributed import device as accel
+    from hf_zero.offload import host_optimizer
+    from tests.fake_accelerator import fake_accelerator
+
+    monkeypatch.setattr(host_optimizer, "COPY_BACK_BLOCK", 40)
+    sizes: list[int] = []
+    real_copy = accel.PendingCopies.copy
+
+    def spy(self, dst, src):
+        if src.dtype == torch.float32 and dst.dtype == torch.bfloat16 and accel.is_accelerator(dst):
+            sizes.append(dst.numel())
+        return real_copy(self, dst, src)
+
+    monkeypatch.setattr(accel.PendingCopies, "copy", spy)
+    cfg = {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", "pin_memory": True}},
+           "bf16": {"enabled": True}, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+           "train_micro_batch_size_per_gpu": 2}
+    with fake_accelerator():
+        model = _tiny_tied()
+        engine = hf_zero.initialize(model, cfg)
+        ids = torch.randint(0, 64, (2, 8))
+        engine.backward(engine(input_ids=ids, labels=ids).loss)
+        engine.step()
+        accel.synchronize(accel.current_device())
+        slots = engine.offload.optimizer.slots
+        assert sizes and max(sizes) <= 40, sizes
+        assert sum(sizes) == sum(s.numel for s in slots)  # every element copied once
+        assert any(s.numel > 40 for s in slots)  # so some parameter was cut
+        for slot in slots:
+            local = slot.param.to_local() if hasattr(slot.param, "to_local") else slot.param
+            assert torch.equal(local.reshape(-1), slot.master.reshape(-1).to(torch.bfloat16)), "a block was lost"
