@@ -174,19 +174,22 @@ def build_config_matrix(spec: str | Sequence[str], *, deepspeed_available: bool)
     return configs, notes
 
 
-def zero_config_dict(config: BenchConfig, *, nvme_path: str | None = None, sub_group_size: int | None = None) -> dict[str, Any]:
+def zero_config_dict(config: BenchConfig, *, nvme_path: str | None = None, sub_group_size: int | None = None,
+                     overlap_comm: bool = False) -> dict[str, Any]:
     """The DeepSpeed-style JSON this configuration runs with (hf_zero and DeepSpeed alike).
 
     Everything the Trainer knows is ``"auto"`` (batch sizes, accumulation, clipping, precision), as
     in the users' ``ds_config.json`` files; there is no optimizer/scheduler section, so the
     Trainer's own AdamW and schedule are used -- except DeepSpeed with optimizer offload, which
     needs its own CPU Adam (``optimizer: AdamW`` with ``"auto"`` hyper-parameters).
+    ``overlap_comm`` changes nothing in hf_zero; DeepSpeed overlaps its gradient reduction with
+    it (run_bench.py sets it on GPUs; the H100 session of 2026-11-27 still ran with false).
     """
     if config.stage is None:
         raise ValueError(f"{config.name} is not a ZeRO configuration")
     zero: dict[str, Any] = {"stage": config.stage}
     if config.stage > 0:
-        zero.update(overlap_comm=False, contiguous_gradients=True, reduce_bucket_size="auto")
+        zero.update(overlap_comm=overlap_comm, contiguous_gradients=True, reduce_bucket_size="auto")
     if config.stage == 3:
         zero.update(
             stage3_prefetch_bucket_size="auto",

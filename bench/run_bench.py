@@ -122,6 +122,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="rounds over all configurations (round-robin); each row reports its fastest round, "
         "tokens/s shows 'best (median of rounds)'. Use 3 on a shared machine.",
     )
+    c.add_argument(
+        "--overlap_comm", choices=("auto", "true", "false"), default="auto",
+        help="zero_optimization.overlap_comm in the JSON (hf_zero ignores it; DeepSpeed overlaps its reduction "
+        "when true, its default for stage 3 and what Hugging Face's ZeRO-3 example sets); auto: true with CUDA, "
+        "false on CPU (gloo)",
+    )
     o.add_argument("--no_plot", action="store_true")
     o.add_argument(
         "--memory_profile", type=int, default=None, metavar="STEP",
@@ -297,6 +303,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _overlap_comm(args: argparse.Namespace) -> bool:
+    choice = getattr(args, "overlap_comm", "auto")
+    if choice == "auto":
+        import torch
+
+        return torch.cuda.is_available()
+    return choice == "true"
+
+
 def worker_spec(config: lib.BenchConfig, args: argparse.Namespace, model_dir: Path, result_dir: Path, nvme_root: Path) -> dict[str, Any]:
     """What one worker job needs (written as SPEC.json)."""
     spec: dict[str, Any] = {
@@ -323,7 +338,8 @@ def worker_spec(config: lib.BenchConfig, args: argparse.Namespace, model_dir: Pa
         if config.uses_nvme:
             nvme = nvme_root / config.name
             nvme.mkdir(parents=True, exist_ok=True)
-        spec["zero_config"] = lib.zero_config_dict(config, nvme_path=str(nvme) if nvme else None, sub_group_size=args.sub_group_size)
+        spec["zero_config"] = lib.zero_config_dict(config, nvme_path=str(nvme) if nvme else None, sub_group_size=args.sub_group_size,
+                                                   overlap_comm=_overlap_comm(args))
     return spec
 
 
