@@ -76,6 +76,23 @@ def render_markdown(payload: dict[str, Any]) -> str:
                 "~100 MiB per rank) and the allocator's slack, which dominate for a small model; "
                 "integration_tests/test_estimator_vs_measured.py measures without them (docs/benchmarks.md).",
             ]
+    phased = [r for r in payload["results"] if r.get("memory_phases") and r.get("status") == "ok"]
+    if phased:
+        host = phased[0]["memory_phases"]["host"]
+        heads = ["configuration", "setup (after the load)", "forward", "backward", "optimizer step"]
+        keys = ["setup", "forward", "backward", "step"]
+        if host:
+            heads.append("malloc in use after the step")
+            keys.append("in_use_after_step")
+        lines += [
+            "",
+            "Memory by phase (--memory_profile; the last step's peaks; "
+            + ("host RSS above the import baseline, summed over the node's ranks; 'malloc in use' leaves out the "
+               "heap's free pages" if host else "peak accelerator memory of the busiest rank") + "):",
+            "",
+            lib.markdown_table(heads, [[r["label"], *(lib.fmt_bytes(r["memory_phases"]["bytes"].get(k)) for k in keys)]
+                                       for r in phased]),
+        ]
     for r in payload["results"]:
         for key in ("warning", "exit_note"):
             if r.get(key):

@@ -171,10 +171,11 @@ def run(spec: dict, record: dict, rank: int, local_rank: int, world: int) -> Non
         torch.cuda.reset_peak_memory_stats(local_rank)
     callbacks = [StepTimer()]
     profile = None
-    if spec.get("memory_profile") and cuda:
+    if spec.get("memory_profile"):  # accelerator memory with CUDA, else this process's host memory
         from _memory_profile import MemoryProfile
 
         profile = MemoryProfile(model, int(spec["memory_profile"]))
+        profile.loaded()
         callbacks.append(profile.callback)
     trainer = trainer_cls(model=model, args=args, train_dataset=dataset, callbacks=callbacks)
     trainer.train()
@@ -189,6 +190,10 @@ def run(spec: dict, record: dict, rank: int, local_rank: int, world: int) -> Non
     record["losses"] = losses
     record["final_loss"] = losses[-1] if losses else None
     record["peak_rss_bytes"] = peak_rss_bytes()
+    if profile is not None:
+        record["memory_profile"] = profile.result()
+        if not cuda:  # the host profile resets the high-water mark per phase; it kept the overall peak
+            record["peak_rss_bytes"] = max(record["peak_rss_bytes"], profile.overall_peak)
     record["end_rss_bytes"] = rss_bytes()
     if cuda:
         record["peak_accel_bytes"] = torch.cuda.max_memory_allocated(local_rank)

@@ -92,6 +92,12 @@ def build_parser() -> argparse.ArgumentParser:
         f"or groups ({', '.join(lib.CONFIG_GROUPS)}); default: {','.join(lib.DEFAULT_CONFIGS)}",
     )
     c.add_argument("--deepspeed_python", default=None, help="a Python whose environment imports deepspeed (e.g. /tmp/ds-venv/bin/python)")
+    c.add_argument(
+        "--one_python", action="store_true",
+        help="run every configuration with --deepspeed_python's interpreter (hf_zero from this checkout on its path), "
+        "so that host RSS compares engines, not environments: transformers.trainer alone imported 208 MiB in the "
+        "project's venv and 126 MiB in a DeepSpeed venv of the same versions (packages it imports when installed)",
+    )
     c.add_argument("--nvme_path", default=None, help="folder for NVMe offload swap files (default: a temporary folder)")
     c.add_argument("--sub_group_size", type=int, default=None, help="zero_optimization.sub_group_size for every ZeRO config")
     c.add_argument("--gpu_memory_cap", default=None, help="emulate cards of this size, e.g. 24GB (CUDA only)")
@@ -441,9 +447,16 @@ def aggregate(config: lib.BenchConfig, records: list[dict[str, Any]], args: argp
         "distributed_type": rank0.get("distributed_type"),
         "wrapped_model": rank0.get("wrapped_model"),
         **({"deepspeed_engine": rank0["deepspeed_engine"]} if rank0.get("deepspeed_engine") else {}),
+        **({"memory_phases": phases} if (phases := _memory_phases(ok)) else {}),
         **({"warning": "the Trainer did not shard the model (no FSDP module): it ran DDP"}
            if config.kind == "fsdp2" and not rank0.get("fsdp2_modules") else {}),
     }
+
+
+def _memory_phases(records: list[dict[str, Any]]) -> dict[str, Any] | None:
+    from _memory_profile import phase_summary
+
+    return phase_summary(records)
 
 
 def add_estimates(results: list[dict[str, Any]], model_dir: Path, args: argparse.Namespace, cuda: bool) -> None:
@@ -538,7 +551,7 @@ def main(argv: list[str] | None = None) -> int:
     bar = tqdm(jobs, desc="bench", unit="run", file=sys.stderr, dynamic_ncols=True)
     for round_index, config in bar:
         bar.set_postfix_str(config.label() + (f" (round {round_index + 1}/{args.repeat})" if args.repeat > 1 else ""))
-        python = ds_python if config.kind == "deepspeed" else sys.executable
+        python = ds_python if config.kind == "deepspeed" or (args.one_python and ds_python) else sys.executable
         timeout = args.timeout
         left = None if args.deadline is None else args.deadline - time.time()
         if left is not None and left < args.min_run_s:
