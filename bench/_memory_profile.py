@@ -143,7 +143,7 @@ def render_markdown(name: str, phases: list[dict[str, Any]], peak: dict[str, Any
     gib = 2**30
     lines = [f"# Memory profile: {name}", ""]
     if setup_peak is not None:
-        lines += [f"Peak before the first step (model placement, the engine's setup): {setup_peak / gib:.2f} GiB.", ""]
+        lines += [f"Peak before the first step (model placement, the engine's setup): {setup_peak / gib:.3f} GiB.", ""]
     keys = ["forward_peak", "backward_peak", "step_peak", "after_step"]
     heads = ["forward peak", "backward peak", "optimizer step peak", "allocated (RSS on a CPU) after step"]
     if any(p.get("in_use_after_step") is not None for p in phases):

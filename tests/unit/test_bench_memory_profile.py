@@ -118,5 +118,27 @@ def test_callback_records_phase_peaks_and_the_chosen_step():
     assert not cuda.recording  # stopped after the recorded step
     assert out["setup_peak"] == 5000 and out["overall_peak"] == 5000
     md = mp.render_markdown("zero3_opt_cpu", out["phases"], out["peak"], out["setup_peak"])
-    assert "first step (model placement, the engine's setup): 0.00 GiB" in md
-    assert "| 2 | 0.00 GiB" in md and "hf_zero/x.py:1" in md
+    assert "first step (model placement, the engine's setup): 0.000 GiB" in md
+    assert "| 2 | 0.000 GiB" in md and "hf_zero/x.py:1" in md
+
+
+def test_host_meter_reads_this_process(tmp_path):
+    """The CPU meter: VmRSS/VmHWM of this process, the high-water mark reset (clear_refs 5), and
+    glibc's bytes in use growing with a live allocation."""
+    meter = mp.HostMeter()
+    before = meter.in_use()
+    block = torch.ones(64 * 2**20 // 4)  # 64 MiB, live
+    assert meter.peak() >= meter.current() > 0
+    if before is not None:  # glibc (mallinfo2): the block counts as in use
+        assert meter.in_use() - before >= 60 * 2**20
+    del block
+    meter.reset()
+    assert meter.peak() - meter.current() < 32 * 2**20  # the mark starts again near the current RSS
+
+
+def test_phase_summary_accelerator_takes_the_busiest_rank():
+    recs = [{"memory_profile": {"meter": "accelerator", "setup_peak": s, "phases": [{"forward_peak": f, "backward_peak": b,
+                                                                                     "step_peak": 1}]}}
+            for s, f, b in ((10, 20, 30), (12, 18, 35))]
+    out = mp.phase_summary(recs)
+    assert not out["host"] and out["bytes"] == {"setup": 12, "forward": 20, "backward": 35, "step": 1}
