@@ -2,7 +2,8 @@
 launcher's one-node options, planned into a torchrun command whose ranks run hf_zero's bootstrap.
 
 Modules: ``request`` (shared types), ``torchrun_form`` and ``deepspeed_form`` (one per launcher),
-``line`` (the parser; which form a line is), ``plan`` (argv, environment, process count).
+``line`` (the parser; which form a line is), ``plan`` (argv, environment, process count; the
+options a SLURM job supplies), ``slurm`` (SLURM's hostlists and variables, read).
 """
 
 from hf_zero.cli.launch.line import build_launch_parser, launch_request, parse_launch_line

@@ -7,7 +7,7 @@ imported: hf_zero does not depend on DeepSpeed). On one node the launcher
   ``--exclude localhost:1`` (``NODE[:SLOT,...][@NODE...]``; the two are mutually exclusive and
   neither goes with ``--num_gpus``/``--num_nodes``), and sets ``CUDA_VISIBLE_DEVICES`` to them;
 - meets on 127.0.0.1 at ``--master_port`` (``--master_addr`` is replaced by 127.0.0.1 without a
-  hostfile);
+  hostfile; hf-zero run keeps it in a SLURM job of several nodes, which it completes from SLURM);
 - passes ``--local_rank=N`` to the script right after its name (unless ``--no_local_rank``).
 
 Multi-node runs (``--hostfile``, ``--num_nodes`` > 1, ``--force_multi``) ssh into every host; hf-zero
@@ -27,6 +27,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from hf_zero.cli.launch.request import Given, LaunchLineError, LaunchRequest, RecordOption
+from hf_zero.cli.launch.slurm import SlurmEnvError, read_slurm_env
 
 __all__ = ["DEEPSPEED_OPTIONS", "DeepSpeedOption", "add_deepspeed_options", "deepspeed_request"]
 
@@ -199,7 +200,11 @@ def deepspeed_request(given: Mapping[str, Given], script: str, script_args: Sequ
                          "(DeepSpeed's launcher would ignore it when --exclude/--num_gpus is given)")
     if port is not None:
         options["master_port"] = Given("--master_port", str(port))
-    if "master_addr" in given:
+    if "master_addr" in given and _slurm_nodes(env) > 1:
+        # an srun step on several nodes: hf-zero run completes the line from SLURM (plan.slurm_options),
+        # and an address the line gives is where the nodes meet, as every option the line gives wins
+        options["master_addr"] = given["master_addr"]
+    elif "master_addr" in given:
         notes.append(f"hf-zero run: {given['master_addr'].spelling} {given['master_addr'].value} is ignored on one "
                      "node, as DeepSpeed's launcher does: the ranks meet on 127.0.0.1")
     log_dir = given["enable_each_rank_log"].value if "enable_each_rank_log" in given else None
@@ -214,6 +219,16 @@ def deepspeed_request(given: Mapping[str, Given], script: str, script_args: Sequ
     return LaunchRequest(form="deepspeed", options=options, script=script, script_args=tuple(script_args),
                          module="module" in given, env=rank_env, pass_local_rank="no_local_rank" not in given,
                          notes=tuple(notes))
+
+
+def _slurm_nodes(env: Mapping[str, str]) -> int:
+    """Nodes of the SLURM job ``env`` describes (0 outside SLURM, or where its variables cannot be
+    read: planning reads them again and reports why)."""
+    try:
+        allocation = read_slurm_env(env)
+    except SlurmEnvError:
+        return 0
+    return allocation.nnodes if allocation else 0
 
 
 def _int(given: Mapping[str, Given], name: str) -> int | None:

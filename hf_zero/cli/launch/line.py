@@ -36,6 +36,8 @@ Without --nproc_per_node (or --num_gpus/--include/--exclude) one process per vis
 on a CPU machine. With DeepSpeed-launcher options each rank's SCRIPT gets --local_rank=N, as
 DeepSpeed passes it. Several nodes: on each node run
   hf-zero run --nnodes 2 --node_rank R --master_addr NODE0_ADDRESS --master_port 29500 --nproc_per_node 8 train.py ...
+Under SLURM (srun, one task per node) the options left out of the line come from SLURM: --nnodes,
+--node_rank (SLURM_NODEID), --master_addr (the node list's first host), --master_port 29500.
 """
 
 

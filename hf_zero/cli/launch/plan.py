@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from hf_zero.cli.launch.line import launch_request, parse_launch_line
 from hf_zero.cli.launch.request import Given, LaunchLineError, LaunchRequest
+from hf_zero.cli.launch.slurm import SlurmAllocation, SlurmEnvError, in_slurm_job, read_slurm_env
 from hf_zero.cli.launch.torchrun_form import (
     local_world_size,
     nnodes_range,
@@ -19,10 +20,13 @@ from hf_zero.cli.launch.torchrun_form import (
 from hf_zero.integration.bootstrap import PASS_LOCAL_RANK_ENV
 from hf_zero.offload.step_threads import CHOSEN_ENV as STEP_THREADS_CHOSEN_ENV
 
-__all__ = ["BOOTSTRAP_MODULE", "LaunchPlan", "P2P_FIXED_DRIVER", "nccl_env_for_gpus", "p2p_usable", "plan_launch", "plan_launch_line",
-           "plan_request", "torchrun_namespace"]
+__all__ = ["BOOTSTRAP_MODULE", "LaunchPlan", "P2P_FIXED_DRIVER", "SLURM_MASTER_PORT", "nccl_env_for_gpus", "p2p_usable",
+           "plan_launch", "plan_launch_line", "plan_request", "slurm_options", "torchrun_namespace"]
 
 BOOTSTRAP_MODULE = "hf_zero.integration.bootstrap"
+# The port node 0 listens on in a SLURM job when the line gives none: torchrun's own default, so
+# the port to open between nodes is the one torch documents.
+SLURM_MASTER_PORT = 29500
 
 # GeForce/consumer cards whose NCCL P2P/IB paths fail without these variables (source 001:
 # "RTX 3090 or 4000 series doesn't support faster communication ... set NCCL_P2P_DISABLE=1 and
@@ -119,9 +123,116 @@ def _cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
+def _line_value(dest: str, options: Mapping[str, Given], env: Mapping[str, str]) -> str | None:
+    """What the line gives for torchrun option ``dest``, or the ``PET_<DEST>`` variable torchrun
+    reads for it (``""`` for a flag); ``None`` when neither does."""
+    if dest in options:
+        return options[dest].value or ""
+    value = env.get(f"PET_{dest.upper()}", "").strip()
+    return value or None
+
+
+def slurm_options(options: Mapping[str, Given], env: Mapping[str, str],
+                  gpu_names: Sequence[str] = ()) -> tuple[dict[str, Given], list[str]]:
+    """``options`` completed from the SLURM job ``hf-zero run`` runs in, and the notes to print.
+
+    In a job of several nodes (``SLURM_JOB_ID`` and a node list set; one ``srun`` task per node),
+    the options the line leaves out are taken from SLURM: ``--nnodes`` (the node count),
+    ``--node_rank`` (``SLURM_NODEID``), ``--master_addr`` (the node list's first host) and
+    ``--master_port`` (:data:`SLURM_MASTER_PORT`); ``--nproc_per_node`` from ``SLURM_GPUS_ON_NODE``
+    when that is set. What the line gives (or torchrun's ``PET_*`` variables) always wins. A line
+    with its own rendezvous takes only what that rendezvous uses (``--rdzv_endpoint``: no address
+    or port; a backend other than ``static``: only ``--nnodes``); ``--standalone`` or ``--nnodes 1``
+    takes nothing. Outside SLURM, or in a one-node job, ``options`` come back unchanged.
+
+    Raises:
+        SlurmEnvError: SLURM variables that cannot be read (see :func:`read_slurm_env`), more tasks
+            than nodes (``srun`` started one ``hf-zero run`` per GPU), or ``SLURM_GPUS_ON_NODE``
+            above the GPUs this process sees.
+    """
+    options = dict(options)
+    if not in_slurm_job(env):
+        return options, []
+    nnodes_spec = _line_value("nnodes", options, env)
+    standalone = "standalone" in options or env.get("PET_STANDALONE", "").strip() not in ("", "0")
+    if standalone or (nnodes_spec is not None and nnodes_range(nnodes_spec)[1] == 1):
+        return options, _one_node_note("--standalone" if standalone else f"--nnodes {nnodes_spec}", env)
+    backend = _line_value("rdzv_backend", options, env) or "static"
+    # static rendezvous: node_rank numbers the nodes and master_addr:master_port is where they meet,
+    # unless --rdzv_endpoint names that place; other backends number the nodes themselves.
+    wanted = ["nnodes"]
+    if backend == "static":
+        wanted.append("node_rank")
+        if _line_value("rdzv_endpoint", options, env) is None:
+            wanted += ["master_addr", "master_port"]
+    wanted = [dest for dest in wanted if _line_value(dest, options, env) is None]
+    if not wanted or wanted == ["master_port"]:
+        return options, []  # the line says how many nodes, which one this is and where they meet
+    allocation = read_slurm_env(env)
+    if allocation is None or allocation.nnodes == 1:
+        return options, []
+    _check_one_task_per_node(allocation)
+    values = {"nnodes": str(allocation.nnodes), "node_rank": str(allocation.node_id),
+              "master_addr": allocation.hosts[0], "master_port": str(SLURM_MASTER_PORT)}
+    taken = {dest: Given(f"--{dest}", values[dest]) for dest in wanted}
+    sources = {
+        "nnodes": f"{allocation.nnodes_var}={allocation.nnodes}" if allocation.nnodes_var
+        else f"{allocation.nnodes} hosts in {allocation.nodelist_var}",
+        "node_rank": f"SLURM_NODEID={allocation.node_id}",
+        "master_addr": f"first host of {allocation.nodelist_var}={env[allocation.nodelist_var].strip()}",
+    }
+    if allocation.gpus_on_node and _line_value("nproc_per_node", options, env) is None:
+        if gpu_names and allocation.gpus_on_node > len(gpu_names):
+            raise SlurmEnvError(
+                f"SLURM_GPUS_ON_NODE={allocation.gpus_on_node} but {len(gpu_names)} GPU(s) are visible to this "
+                f"process (check CUDA_VISIBLE_DEVICES): give --nproc_per_node {len(gpu_names)} or fewer on the "
+                "hf-zero run line")
+        taken = {"nproc_per_node": Given("--nproc_per_node", str(allocation.gpus_on_node)), **taken}
+        sources = {"nproc_per_node": f"SLURM_GPUS_ON_NODE={allocation.gpus_on_node}", **sources}
+    note = (f"hf-zero run: from SLURM: {' '.join(f'{g.spelling} {g.value}' for g in taken.values())} "
+            f"(job {allocation.job_id}: {', '.join(sources[dest] for dest in taken if dest in sources)})")
+    if "master_port" in taken:
+        note += f"; port {SLURM_MASTER_PORT} is torchrun's default, --master_port on the line chooses another"
+    if nnodes_spec is not None and nnodes_range(nnodes_spec)[1] != allocation.nnodes:
+        note += f"; the line's --nnodes {nnodes_spec} is kept, though the SLURM job has {allocation.nnodes} nodes"
+    return {**({"nproc_per_node": taken.pop("nproc_per_node")} if "nproc_per_node" in taken else {}),
+            **options, **taken}, [note]
+
+
+def _check_one_task_per_node(allocation: SlurmAllocation) -> None:
+    """Refuse ``srun`` with one task per GPU: every task would start a node's worth of ranks.
+
+    Raises:
+        SlurmEnvError: more tasks than nodes.
+    """
+    if allocation.ntasks is not None and allocation.ntasks > allocation.nnodes:
+        nodes = f"{allocation.nnodes_var}={allocation.nnodes}" if allocation.nnodes_var else f"{allocation.nnodes}"
+        raise SlurmEnvError(
+            f"{allocation.ntasks_var}={allocation.ntasks} tasks on {nodes} nodes: srun started more than one hf-zero "
+            "run per node (one per GPU?), but hf-zero run starts each node's per-GPU processes itself "
+            "(--nproc_per_node). Start one task per node: `srun --ntasks-per-node=1 hf-zero run --nproc_per_node "
+            "GPUS_PER_NODE train.py ...` (and #SBATCH --ntasks-per-node=1 in the job script)")
+
+
+def _one_node_note(spelling: str, env: Mapping[str, str]) -> list[str]:
+    """The note for a line that runs one node inside a SLURM job of several (none when the job's
+    variables cannot be read: the line does not need them)."""
+    try:
+        allocation = read_slurm_env(env)
+    except SlurmEnvError:
+        return []
+    if allocation is None or allocation.nnodes == 1:
+        return []
+    return [f"hf-zero run: the SLURM job has {allocation.nnodes} nodes, but {spelling} runs this node's ranks on "
+            f"their own: nothing is taken from SLURM (drop {spelling} to train on all {allocation.nnodes} nodes)"]
+
+
 def plan_request(request: LaunchRequest, *, gpu_names: Sequence[str] = (), p2p_ok: bool = True,
                  env: Mapping[str, str] | None = None) -> LaunchPlan:
     """Build the torchrun argv and the environment for ``request`` (pure: no process is started).
+
+    Inside a SLURM job of several nodes, the options the line leaves out are taken from SLURM
+    first (:func:`slurm_options`).
 
     Args:
         request: the launch line in torchrun's terms (:func:`plan_launch_line` makes it).
@@ -130,10 +241,11 @@ def plan_request(request: LaunchRequest, *, gpu_names: Sequence[str] = (), p2p_o
         env: the environment the launch starts from (default: ``os.environ``).
 
     Raises:
-        LaunchLineError: a value torch's parser refuses, or more processes than GPUs.
+        LaunchLineError: a value torch's parser refuses, more processes than GPUs, or SLURM
+            variables that cannot be used (:class:`~hf_zero.cli.launch.slurm.SlurmEnvError`).
     """
     env = dict(os.environ if env is None else env)
-    options = dict(request.options)
+    options, slurm_notes = slurm_options(request.options, env, gpu_names)
     if "nproc_per_node" not in options and "PET_NPROC_PER_NODE" not in env:
         options = {"nproc_per_node": Given("--nproc_per_node", str(max(1, len(gpu_names)))), **options}
     args = render_options(options)
@@ -172,7 +284,8 @@ def plan_request(request: LaunchRequest, *, gpu_names: Sequence[str] = (), p2p_o
         # for the offloaded step (offload/step_threads.py); a value from the user's environment is
         # seen as theirs by the ranks without this mark.
         extra[STEP_THREADS_CHOSEN_ENV] = "1"
-    return LaunchPlan(torchrun_args=args, env=extra, notes=[*request.notes, *notes], rank_args_at=rank_args_at)
+    return LaunchPlan(torchrun_args=args, env=extra, notes=[*request.notes, *slurm_notes, *notes],
+                      rank_args_at=rank_args_at)
 
 
 def plan_launch_line(argv: Sequence[str], *, gpu_names: Sequence[str] = (), p2p_ok: bool = True,
