@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import socket
 import subprocess
@@ -356,3 +357,30 @@ def test_two_hf_zero_runs_with_slurms_variables_form_one_two_node_job(tmp_path):
     assert all(records[rank]["node_rank"] == rank for rank in (0, 1))  # one rank per node: rank = node rank
     assert {r["master_addr"] for r in records.values()} == {"localhost"}
     assert {r["sum"] for r in records.values()} == {3}
+
+
+def test_the_sbatch_example_asks_for_one_task_per_node_and_its_line_plans_on_each_node():
+    """examples/slurm/train.sbatch: valid bash, 2 nodes x 8 GPUs with one srun task per node, and
+    its `hf-zero run` line is what each node plans from SLURM's variables (8 ranks, node 0 or 1)."""
+    path = REPO / "examples" / "slurm" / "train.sbatch"
+    subprocess.run(["bash", "-n", str(path)], check=True)
+    text = path.read_text()
+    directives = {line.split()[1] for line in text.splitlines() if line.startswith("#SBATCH ")}
+    assert {"--nodes=2", "--ntasks-per-node=1", "--gpus-per-node=8"} <= directives
+    commands = [line.strip() for line in text.replace("\\\n", " ").splitlines() if line.strip().startswith("srun ")]
+    assert len(commands) == 1
+    argv = shlex.split(commands[0])
+    run_at = argv.index("hf-zero")
+    assert argv[run_at + 1] == "run" and "--ntasks-per-node=1" in argv[:run_at]
+    line = argv[run_at + 2:]
+    script = next(a for a in line if a.endswith(".py"))
+    assert (REPO / script).is_file()
+    zero_config = re.search(r'"\$\{ZERO_CONFIG:=([^}]+)\}"', text).group(1)
+    assert (REPO / zero_config).is_file()
+    for node in (0, 1):
+        env = {"SLURM_JOB_ID": "77", "SLURM_JOB_NODELIST": "gpu[07-08]", "SLURM_NNODES": "2", "SLURM_NTASKS": "2",
+               "SLURM_NODEID": str(node), "SLURM_GPUS_ON_NODE": "8"}
+        plan = plan_launch_line(line, gpu_names=[A100] * 8, env=env)
+        assert _options(plan) == ["--nproc_per_node=8", "--nnodes=2", f"--node_rank={node}", "--master_addr=gpu07",
+                                  "--master_port=29500"]
+        assert plan.torchrun_args[plan.rank_args_at:][:3] == [script, "--zero_config", "$ZERO_CONFIG"]
