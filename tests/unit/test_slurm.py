@@ -384,3 +384,12 @@ def test_the_sbatch_example_asks_for_one_task_per_node_and_its_line_plans_on_eac
         assert _options(plan) == ["--nproc_per_node=8", "--nnodes=2", f"--node_rank={node}", "--master_addr=gpu07",
                                   "--master_port=29500"]
         assert plan.torchrun_args[plan.rank_args_at:][:3] == [script, "--zero_config", "$ZERO_CONFIG"]
+
+
+def test_the_messages_the_docs_quote_are_the_ones_hf_zero_run_prints():
+    docs = (REPO / "docs" / "launch.md").read_text() + (REPO / "examples" / "slurm" / "README.md").read_text()
+    assert _plan("t.py", JOB).notes[0] in docs
+    for env in ({**JOB, "SLURM_NTASKS": "16"}, {**JOB, "SLURM_NNODES": "3"}):
+        with pytest.raises(SlurmEnvError) as info:
+            _plan("t.py", env)
+        assert f"hf-zero run: {info.value}" in docs
