@@ -108,6 +108,7 @@ class OffloadManager:
         self._masters: dict[str, torch.Tensor] = {}
         self._host_names: set[str] = set()
         self._fill_masters: set[str] = set()  # fp32 masters the fill from rank 0 hands over (take)
+        self._planned = False  # _host_names chosen (prepare_fsdp; after_fsdp when a stage skipped it)
         self._fsdp_modules: list[nn.Module] = []
         self._model: nn.Module | None = None
         self._ddp: nn.parallel.DistributedDataParallel | None = None
@@ -138,6 +139,7 @@ class OffloadManager:
         kwargs: dict[str, Any] = {}
         if self.opt_cfg.device != "none":
             self._host_names = self._plan_ratio(model, units)
+            self._planned = True
             self._cast_before_sharding(model)
         if self.param_cfg.device != "none":
             from hf_zero.offload.param_offload import fsdp_cpu_offload_policy
@@ -259,8 +261,9 @@ class OffloadManager:
         self._model = model
         self._fsdp_modules = [*units, model]
         if self.opt_cfg.device != "none":
-            if not self._host_names:  # (prepare_fsdp planned them unless the stage skipped it)
+            if not self._planned:  # (prepare_fsdp planned them unless the stage skipped it)
                 self._host_names = self._plan_ratio(model, units)
+                self._planned = True
             missing = sorted(self._fill_masters - self._masters.keys())
             if missing:  # their shards are 16-bit already: masters taken from them would be rounded
                 raise OffloadError(
