@@ -106,6 +106,8 @@ _ZERO: Fields = {
     "stage3_max_live_parameters": ("max_live_parameters", _int(0)),
     "stage3_max_reuse_distance": ("max_reuse_distance", _int(0)),
     "stage3_gather_16bit_weights_on_model_save": ("gather_16bit_weights_on_model_save", _bool(auto=True)),
+    "mics_shard_size": ("mics_shard_size", _int(-1, hint="write the ranks of one shard group, such as 8, or -1 (off)")),
+    "zero_hpz_partition_size": ("hpz_partition_size", _int(1, hint="write the ranks of one secondary group, such as 8, or 1 (off)")),
 }
 # DeepSpeed's pydantic model has populate_by_name=True, so the field names work as well as the
 # stage3_* aliases; stage3_gather_fp16_* is the deprecated name (zero/config.py).

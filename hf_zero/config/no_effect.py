@@ -117,13 +117,13 @@ NO_EFFECT_KEYS: dict[str, str] = {
     "zero_optimization.elastic_checkpoint": "checkpoints always reshard on load",
     "zero_optimization.ignore_unused_parameters": "unused parameters are always tolerated",
     "zero_optimization.legacy_stage1": "there is one stage-1 implementation",
-    "zero_optimization.zero_hpz_partition_size": "no ZeRO++ hierarchical partitioning; parameters shard across all ranks",
     "zero_optimization.zero_quantized_weights": "false changes nothing (true is rejected)",
     "zero_optimization.zero_quantized_nontrainable_weights": "false changes nothing (true is rejected)",
     "zero_optimization.zero_quantized_gradients": "false changes nothing (true is rejected)",
     "zero_optimization.zeropp_loco_param": "only used with ZeRO++ quantized gradients",
-    "zero_optimization.mics_shard_size": "no MiCS sub-group sharding; parameters shard across all ranks",
-    "zero_optimization.mics_hierarchical_params_gather": "no MiCS sub-group sharding",
+    "zero_optimization.mics_hierarchical_params_gather": (
+        "FSDP2 all-gathers over the whole shard group in one collective; a mics_shard_size of the ranks of "
+        "one node keeps that collective inside the node"),
     "zero_optimization.memory_efficient_linear": "DeepSpeed stage-3 linear-layer patch; FSDP2 needs none",
     "zero_optimization.pipeline_loading_checkpoint": "DeepSpeed pipeline-parallel loading detail",
     "zero_optimization.override_module_apply": "DeepSpeed stage-3 nn.Module.apply patch; FSDP2 needs none",
@@ -158,6 +158,12 @@ STAGE_NO_EFFECT: dict[str, tuple[str, frozenset[int], str, object]] = {
     "zero_optimization.stage3_max_live_parameters": (
         "zero_optimization.max_live_parameters", frozenset({0, 1, 2}),
         "only stage 3 gathers parameters per block (as in DeepSpeed, stage3_* keys apply at stage 3)", _ALWAYS),
+    "zero_optimization.mics_shard_size": (
+        "zero_optimization.mics_shard_size", frozenset({0, 1}),
+        "stages 0/1 replicate the parameters on every rank; shard groups apply at stages 2 and 3", -1),
+    "zero_optimization.zero_hpz_partition_size": (
+        "zero_optimization.hpz_partition_size", frozenset({0, 1, 2}),
+        "only stage 3 reshards parameters after the forward (as in DeepSpeed, hpZ is a stage-3 feature)", 1),
     "prescale_gradients": (
         "prescale_gradients", frozenset({0, 1}),
         "at stages 0/1 DDP divides every gradient bucket by the world size before its all-reduce (what "

@@ -302,6 +302,9 @@ class _Parser:
                          f"partial offload needs ZeRO stage 3 (zero_optimization.stage is {stage})",
                          "set ratio to 1.0 or use stage 3")
 
+        if kw.get("mics_shard_size") == 1:
+            self.problem(f"{path}.mics_shard_size", 1, "a shard group of one rank shards nothing",
+                         "write the ranks of one shard group (such as the GPUs of a node), or -1 to shard over all ranks")
         if "overlap_comm" not in kw:
             # DeepSpeed: overlap_comm None -> stage == 3 (zero/config.py overlap_comm_valid).
             kw["overlap_comm"] = stage == 3

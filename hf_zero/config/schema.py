@@ -99,6 +99,13 @@ class ZeroOptimizationConfig:
     """``stage3_max_live_parameters``."""
     max_reuse_distance: int = 1_000_000_000
     """``stage3_max_reuse_distance``."""
+    mics_shard_size: int = -1
+    """MiCS: shard parameters, gradients and optimizer state inside groups of this many ranks and
+    replicate across the groups (FSDP2 over a 2-D replicate x shard mesh); -1 (or 0): over all ranks."""
+    hpz_partition_size: int = 1
+    """``zero_hpz_partition_size`` (ZeRO++ hpZ): after the forward, keep the parameters sharded over
+    groups of this many ranks (FSDP2 ``reshard_after_forward=N``), so the backward's all-gathers
+    stay inside a group, usually a node; 1: off. Stage 3."""
     gather_16bit_weights_on_model_save: bool | Auto = True
     """``stage3_gather_16bit_weights_on_model_save`` (old name ``stage3_gather_fp16_weights_on_model_save``).
     hf_zero defaults it to true (DeepSpeed: false) because an empty ZeRO-3 save is the common pain.

@@ -135,7 +135,8 @@ def _broadcast_from(full: torch.Tensor, shard: DTensor, src: int) -> torch.Tenso
     """``src``'s ``full`` on every rank of ``shard``'s mesh (``src`` is a global rank, as in DeepSpeed)."""
     mesh = shard.device_mesh
     buf = full.detach().to(mesh.device_type).contiguous()
-    dist.broadcast(buf, src=src, group=mesh.get_group())
+    # A 2-D (replicate, shard) mesh spans the world: broadcast over it (``src`` is a global rank).
+    dist.broadcast(buf, src=src, group=mesh.get_group() if mesh.ndim == 1 else None)
     return buf
 
 

@@ -47,8 +47,8 @@ def _group_and_device(mesh) -> tuple[Any, torch.device]:
         if dist.get_backend() == "nccl":
             return None, accel.current_device()
         return None, torch.device("cpu")
-    if mesh.ndim != 1:
-        raise ValueError(f"hf_zero fills shards on a 1-D mesh, got a {mesh.ndim}-D one")
+    if mesh.ndim > 2:
+        raise ValueError(f"hf_zero fills shards on a 1-D or 2-D mesh, got a {mesh.ndim}-D one")
     if mesh.device_type == "cpu":
         device = torch.device("cpu")
     else:
@@ -318,7 +318,12 @@ def _fill_param(param: torch.Tensor, full: torch.Tensor | None, group, device, m
     if placements is None or all(p.is_replicate() for p in placements):
         _broadcast_into(local, group, device, src_tensor=full, wire_dtype=wire, on_value=on_shard)
         return
-    if len(placements) != 1 or not placements[0].is_shard():
+    if len(placements) > 1:
+        # A 2-D (replicate, shard) mesh (mics_shard_size): every rank takes its slice of the whole
+        # tensor; the scatter below serves one shard group only.
+        _broadcast_and_slice(param, local, full, group, device, wire, on_shard)
+        return
+    if not placements[0].is_shard():
         raise NotImplementedError(f"filling a DTensor with placements {placements} from rank 0")
     dim = placements[0].dim
     if method == "broadcast":

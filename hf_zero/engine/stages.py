@@ -19,6 +19,7 @@ their global norm". Stages know nothing about loss scaling, accumulation counter
 from __future__ import annotations
 
 import contextlib
+import os
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
@@ -27,6 +28,7 @@ from torch.distributed.tensor import DTensor
 
 from hf_zero.config.schema import ZeroOptimizationConfig
 from hf_zero.distributed.env import DistEnv
+from hf_zero.distributed.mesh import MeshError, MeshPlan, plan_mesh
 from hf_zero.engine.fsdp_knobs import (
     StageKnobs,
     apply_gradient_division,
@@ -213,12 +215,34 @@ class FullyShardedStage:
 
     def _layout(self) -> dict[str, Any]:
         """What a sharded model's layout depends on; a second engine may only re-use an equal one."""
+        plan = self.mesh_plan()
         return {
             "stage": self.stage,
             "world_size": self.env.world_size,
+            "shard_group": plan.shard,
+            "hpz": plan.reshard_after_forward if not isinstance(plan.reshard_after_forward, bool) else 1,
             "dtype": str(self.precision.compute_dtype).removeprefix("torch."),
             "offload": self.offload is not None,
         }
+
+    def mesh_plan(self) -> MeshPlan:
+        """The mesh shape and reshard choice from ``mics_shard_size`` / ``zero_hpz_partition_size``
+        (``distributed/mesh.py``); ranks per node from the launcher's ``LOCAL_WORLD_SIZE``."""
+        ranks_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", self.env.world_size))
+        return plan_mesh(self.stage, self.env.world_size, max(1, ranks_per_node),
+                         self.zero.mics_shard_size, self.zero.hpz_partition_size)
+
+    def _check_hierarchical(self, plan: MeshPlan) -> None:
+        """What hf_zero has not verified on a hierarchical layout is refused, not run unchecked."""
+        hpz = not isinstance(plan.reshard_after_forward, bool)
+        if not (plan.hierarchical or hpz) or self.offload is None:
+            return
+        key = "zero_optimization.mics_shard_size" if plan.hierarchical else "zero_optimization.zero_hpz_partition_size"
+        raise MeshError(
+            f"{key} with offload_optimizer or offload_param is not supported yet (the offloaded optimizer "
+            "reduces its gradient norm over all ranks, which a replicated layout would count twice); remove "
+            f"{key.split('.')[-1]} or the offload section"
+        )
 
     def _reuse(self, model: nn.Module) -> nn.Module:
         """A model an earlier engine sharded (a second Trainer on the same model, a notebook's
@@ -255,17 +279,21 @@ class FullyShardedStage:
         return model
 
     def wrap(self, model: nn.Module) -> nn.Module:
-        from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import FSDPModule, fully_shard
 
+        from hf_zero.distributed.mesh import build_mesh
         from hf_zero.engine.materialize import sharded_from_rank0
 
         if isinstance(model, FSDPModule):
             return self._reuse(model)
-        mesh = init_device_mesh(self.env.device.type, (self.env.world_size,))
+        plan = self.mesh_plan()
+        self._check_hierarchical(plan)
+        mesh = build_mesh(self.env.device.type, plan)
+        if self.env.is_main and (plan.hierarchical or plan.reshard_after_forward not in (True, False)):
+            logger.info("hf_zero: %s", plan.describe())
         kwargs = dict(
             mesh=mesh,
-            reshard_after_forward=self.stage == 3,
+            reshard_after_forward=plan.reshard_after_forward,
             mp_policy=self.precision.fsdp_mp_policy(),
         )
         lifted = lift_scalar_params(model)  # FSDP2 cannot shard 0-dim parameters
@@ -329,7 +357,15 @@ class FullyShardedStage:
     def build_optimizer(self, recipe: OptimizerRecipe, model: nn.Module) -> torch.optim.Optimizer:
         if self.offload is not None:
             return self.offload.build_optimizer(recipe, model)
-        return recipe.build(recipe.param_groups(model))
+        optimizer = recipe.build(recipe.param_groups(model))
+        if self.mesh_plan().hierarchical and type(optimizer).__module__.startswith("hf_zero."):
+            # hf_zero's own optimizers (Muon, Lamb, ...) compute norms over the shards of a 1-D mesh.
+            raise MeshError(
+                f"zero_optimization.mics_shard_size with the {type(optimizer).__name__} optimizer is not supported "
+                "yet (it takes whole-parameter norms over a flat shard group); use AdamW/Adam/SGD, or remove "
+                "mics_shard_size"
+            )
+        return optimizer
 
     def set_gradient_sync(self, enabled: bool) -> None:
         # ZeRO-2/3 reduce-scatter every micro-step so that gradients stay sharded (DeepSpeed does

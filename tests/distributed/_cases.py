@@ -18,10 +18,13 @@ class Case:
     seq: int = 16
     clip: float = 1.0
     scheduler: bool = True
+    mics: int = -1  # zero_optimization.mics_shard_size (-1: off)
+    hpz: int = 1  # zero_optimization.zero_hpz_partition_size (1: off)
 
     @property
     def name(self) -> str:
-        return f"s{self.stage}-{self.dtype}-gas{self.gas}-{self.model}"
+        extra = (f"-mics{self.mics}" if self.mics > 0 else "") + (f"-hpz{self.hpz}" if self.hpz > 1 else "")
+        return f"s{self.stage}-{self.dtype}-gas{self.gas}-{self.model}{extra}"
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -31,7 +34,8 @@ class Case:
             "train_micro_batch_size_per_gpu": self.micro,
             "gradient_accumulation_steps": self.gas,
             "gradient_clipping": self.clip,
-            "zero_optimization": {"stage": self.stage},
+            "zero_optimization": {"stage": self.stage, **({"mics_shard_size": self.mics} if self.mics > 0 else {}),
+                                  **({"zero_hpz_partition_size": self.hpz} if self.hpz > 1 else {})},
             "bf16": {"enabled": self.dtype == "bf16"},
             "fp16": {"enabled": self.dtype == "fp16", "initial_scale_power": 8},
             "optimizer": {

@@ -1,0 +1,122 @@
+"""Run under a 2-node launch (2 x 2 gloo ranks): the parity cases with hierarchical sharding, and
+the bytes every collective moves, per process group, counted where torch.distributed is called.
+
+    hf-zero run --nnodes 2 --node_rank R --master_addr 127.0.0.1 --master_port P --nproc_per_node 2 \\
+        tests/distributed/hier_worker.py CASES.json OUT.pt
+
+Writes (rank 0) what parity_worker writes per case, plus ``"traffic"``: every rank's
+``{"op|r0,r1,...": bytes}`` over the case's training steps (engine setup excluded).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import json
+import os
+import sys
+import threading
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+from _cases import Case  # noqa: E402
+import parity_worker  # noqa: E402
+from _worker_io import save_results_and_exit  # noqa: E402
+
+# The data-moving calls FSDP2 and hf_zero make (the *_single ones are torch >= 2.12's names; the
+# deprecated ones may call them, so only the outermost call of a thread counts).
+_OPS = ("all_gather_single", "all_gather_into_tensor", "reduce_scatter_single", "reduce_scatter_tensor", "all_reduce")
+_depth = threading.local()
+traffic: dict[str, int] = {}
+recording = {"on": False}
+
+
+def _group_key(group) -> str:
+    ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
+    return ",".join(str(r) for r in sorted(ranks))
+
+
+def _recorded(name, fn):
+    params = list(inspect.signature(fn).parameters)
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        outer = getattr(_depth, "n", 0) == 0
+        _depth.n = getattr(_depth, "n", 0) + 1
+        try:
+            if outer and recording["on"]:
+                bound = dict(zip(params, args), **kwargs)
+                if name == "all_reduce":
+                    op, big = "all_reduce", bound[params[0]]
+                elif name.startswith("all_gather"):  # (output, input): the gathered output
+                    op, big = "all_gather", bound[params[0]]
+                else:  # (output, input): the input being reduced, the whole unit's gradients
+                    op, big = "reduce_scatter", bound[params[1]]
+                key = f"{op}|{_group_key(bound.get('group'))}"
+                traffic[key] = traffic.get(key, 0) + big.numel() * big.element_size()
+            return fn(*args, **kwargs)
+        finally:
+            _depth.n -= 1
+
+    return wrapper
+
+
+def install() -> None:
+    from torch.distributed import distributed_c10d
+
+    for name in _OPS:
+        fn = getattr(dist, name, None)
+        if fn is not None:
+            wrapped = _recorded(name, fn)
+            setattr(dist, name, wrapped)
+            if getattr(distributed_c10d, name, None) is fn:
+                setattr(distributed_c10d, name, wrapped)
+
+
+def main() -> None:
+    from tests.strict_collectives import install_from_env
+
+    install_from_env()
+    install()
+    cases_path, out_path = sys.argv[1], sys.argv[2]
+    with open(cases_path) as f:
+        cases = [Case(**c) for c in json.load(f)]
+    import hf_zero
+
+    current: dict = {}
+
+    real_initialize = hf_zero.initialize
+
+    def initialize(*args, **kwargs):  # count the training steps only: not the setup, not the final gather
+        engine = real_initialize(*args, **kwargs)
+        steps = current["case"].steps
+        real_step = engine.step
+
+        def step(*a, **k):
+            out = real_step(*a, **k)
+            if engine.global_steps >= steps:
+                recording["on"] = False
+            return out
+
+        engine.step = step
+        traffic.clear()
+        recording["on"] = True
+        return engine
+
+    hf_zero.initialize = initialize
+    results = {}
+    for case in cases:
+        current["case"] = case
+        results[case.name] = parity_worker.run_case(case)
+        recording["on"] = False
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, dict(traffic))
+        results[case.name]["traffic"] = everyone
+    save_results_and_exit(results, out_path)
+
+
+if __name__ == "__main__":
+    main()

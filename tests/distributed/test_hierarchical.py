@@ -1,0 +1,131 @@
+"""Hierarchical sharding from DeepSpeed's keys, on 4 gloo ranks started as 2 nodes x 2.
+
+``mics_shard_size: 2`` (MiCS) is FSDP2 over a (2 replicate x 2 shard) mesh; ``zero_hpz_partition_size:
+2`` (ZeRO++ hpZ) on a flat 4-rank mesh is ``reshard_after_forward=2``. Each case trains in one
+launch of two ``hf-zero run --nnodes 2`` processes on localhost (ranks 0-1 are node 0, 2-3 node 1)
+and is compared with the single-process reference of the same seed and global batch
+(``_reference.py``), as the stage parity tests are; the bytes each collective moved, per process
+group, are counted where torch.distributed is called (``hier_worker.py``), not from hf_zero's own
+bookkeeping.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from _cases import Case
+from _drift_bound import assert_within
+from _reference import reference_run
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[2]
+WORLD = 4
+NODE0, NODE1 = "0,1", "2,3"
+CASES = [
+    Case(stage=3, dtype="fp32", gas=1, model="llama", mics=2),
+    Case(stage=2, dtype="fp32", gas=2, model="qwen2_tied", mics=2),
+    Case(stage=3, dtype="fp32", gas=1, model="qwen2_tied", hpz=2),
+]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("hier")
+    (tmp / "cases.json").write_text(json.dumps([c.to_dict() for c in CASES]))
+    port = str(_free_port())
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_ZERO_STRICT_COLLECTIVES": "1",
+           "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    nodes = []
+    for node in (0, 1):
+        line = [sys.executable, "-m", "hf_zero.cli.main", "run", "--nnodes", "2", "--node_rank", str(node),
+                "--master_addr", "127.0.0.1", "--master_port", port, "--nproc_per_node", "2",
+                "tests/distributed/hier_worker.py", str(tmp / "cases.json"), str(tmp / "out.pt")]
+        nodes.append(subprocess.Popen(line, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    outs = []
+    try:
+        outs = [n.communicate(timeout=600) for n in nodes]
+    finally:
+        for n in nodes:
+            if n.poll() is None:
+                n.kill()
+    for n, (out, err) in zip(nodes, outs):
+        assert n.returncode == 0, f"node failed ({n.returncode}):\n{out[-3000:]}\n{err[-6000:]}"
+    return torch.load(tmp / "out.pt", weights_only=False)
+
+
+def _traffic(run, rank: int) -> dict[tuple[str, str], int]:
+    out = {}
+    for key, nbytes in run["traffic"][rank].items():
+        op, group = key.split("|")
+        out[(op, group)] = nbytes
+    return out
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_matches_single_process_reference(case: Case, runs):
+    got = runs[case.name]
+    ref = reference_run(case, world=WORLD)
+    torch.testing.assert_close(got["losses"], ref["losses"], rtol=1e-5, atol=0)
+    torch.testing.assert_close(got["grad_norms"], ref["grad_norms"], rtol=1e-4, atol=0)
+    assert set(got["final_state"]) == set(ref["final_state"])
+    for name, tensor in ref["final_state"].items():  # within what reduction order explains (_drift_bound.py)
+        assert_within(got["final_state"][name], tensor, ref["drift"].get(name, 0.0), name, case.steps)
+    moved = sum(not torch.equal(ref["final_state"][k], ref["initial_state"][k]) for k in ref["final_state"])
+    assert moved == len(ref["final_state"])
+    assert all(r["sharding"]["global_steps"] == case.steps for r in got["ranks"])
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_each_rank_holds_its_groups_share(case: Case, runs):
+    ranks = runs[case.name]["ranks"]
+    shard = case.mics if case.mics > 0 else WORLD
+    full = ranks[0]["sharding"]["full_param_numel"]
+    local = [r["sharding"]["local_param_numel"] for r in ranks]
+    # Inside a shard group the shards add up to every parameter once (no padding: the tiny models'
+    # first dimensions divide by 4); each rank holds 1/shard of it.
+    for group in ([0, 1], [2, 3]) if shard == 2 else ([0, 1, 2, 3],):
+        assert sum(local[r] for r in group) == full
+    assert local == [full // shard] * WORLD
+
+
+def test_mics_keeps_gathers_and_reduce_scatters_inside_the_node(runs):
+    for case in CASES[:2]:
+        run = runs[case.name]
+        for rank in range(WORLD):
+            t = _traffic(run, rank)
+            node = NODE0 if rank < 2 else NODE1
+            gathers = {g for (op, g) in t if op in ("all_gather", "reduce_scatter")}
+            assert gathers == {node}, (case.name, rank, t)
+            # The replicas complete the gradients with one all-reduce across the nodes: as many
+            # bytes as the reduce-scatter's output, i.e. the shard's gradients, per step and micro-step.
+            across = "0,2" if rank % 2 == 0 else "1,3"
+            assert t[("all_reduce", across)] * 2 == t[("reduce_scatter", node)], (case.name, rank, t)
+
+
+def test_hpz_gathers_the_backward_inside_the_node(runs):
+    case = CASES[2]
+    run = runs[case.name]
+    for rank in range(WORLD):
+        t = _traffic(run, rank)
+        node = NODE0 if rank < 2 else NODE1
+        world = "0,1,2,3"
+        # The forward gathers over the whole shard group, the backward over the node's 2 ranks
+        # (the secondary copy hpZ keeps after the forward); gradients reduce-scatter over all 4.
+        assert t[("all_gather", world)] > 0 and t[("all_gather", node)] > 0, t
+        assert {g for (op, g) in t if op == "reduce_scatter"} == {world}, t
+        assert not any(op == "all_gather" and g not in (world, node) for (op, g) in t), t
