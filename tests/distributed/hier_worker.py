@@ -76,6 +76,64 @@ def install() -> None:
                 setattr(distributed_c10d, name, wrapped)
 
 
+def _train(engine, data, steps) -> list[float]:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    losses = []
+    for step in steps:
+        loss = engine(input_ids=data[step, 0, rank], labels=data[step, 0, rank]).loss
+        engine.backward(loss)
+        engine.step()
+        total = loss.detach().float().reshape(1)
+        dist.all_reduce(total)
+        losses.append(float(total) / world)
+    return losses
+
+
+def _full_fp32(model) -> dict[str, torch.Tensor]:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return {k: v.float().clone() for k, v in full.items()}
+
+
+def checkpoints_across_layouts(workdir: str) -> dict:
+    """Save on one layout, resume on the other (MiCS 2x2 <-> flat 4), export 16-bit weights from the
+    2-D mesh, and consolidate its checkpoint: what a user moving between layouts does."""
+    import hf_zero
+    from hf_zero.checkpoint.consolidate import consolidate_checkpoint
+    from hf_zero.checkpoint.export16 import save_16bit_model
+    from hf_zero.checkpoint.sharded import load_checkpoint, save_checkpoint
+    from _models import make_data, tiny_model
+
+    data = make_data(4, 1, dist.get_world_size(), 2, 16)
+    out: dict = {}
+    for name, saver, loader in (("mics_to_flat", 2, -1), ("flat_to_mics", -1, 2)):
+        ckpt = os.path.join(workdir, f"ckpt-{name}")
+        first = hf_zero.initialize(tiny_model("llama"), Case(stage=3, dtype="fp32", gas=1, model="llama",
+                                                              mics=saver, scheduler=False).zero_config())
+        _train(first, data, range(2))
+        save_checkpoint(first, ckpt)
+        saved = _full_fp32(first.module)
+        if name == "mics_to_flat":
+            export = os.path.join(workdir, "export16")
+            save_16bit_model(first, export, dtype="fp32")
+            out["export"] = export
+        cont = _train(first, data, range(2, 4))
+        first.close() if hasattr(first, "close") else None
+        second = hf_zero.initialize(tiny_model("llama", seed=7), Case(stage=3, dtype="fp32", gas=1, model="llama",
+                                                                      mics=loader, scheduler=False).zero_config())
+        load_checkpoint(second, ckpt)
+        loaded = _full_fp32(second.module)
+        resumed = _train(second, data, range(2, 4))
+        out[name] = {"saved": saved, "loaded": loaded, "continued": cont, "resumed": resumed, "ckpt": ckpt}
+    if dist.get_rank() == 0:
+        consolidated = os.path.join(workdir, "consolidated")
+        consolidate_checkpoint(out["mics_to_flat"]["ckpt"], consolidated, progress=False)
+        out["consolidated"] = consolidated
+    dist.barrier()
+    return out
+
+
 def main() -> None:
     from tests.strict_collectives import install_from_env
 
@@ -115,6 +173,7 @@ def main() -> None:
         everyone = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, dict(traffic))
         results[case.name]["traffic"] = everyone
+    results["checkpoints"] = checkpoints_across_layouts(os.path.dirname(out_path))
     save_results_and_exit(results, out_path)
 
 
