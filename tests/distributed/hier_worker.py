@@ -134,10 +134,25 @@ def checkpoints_across_layouts(workdir: str) -> dict:
     return out
 
 
+def load_elsewhere(ckpt: str, out_path: str) -> None:
+    """On another world size (a flat mesh): load a checkpoint the 2 x 2 MiCS run saved."""
+    import hf_zero
+    from hf_zero.checkpoint.sharded import load_checkpoint
+    from _models import tiny_model
+
+    engine = hf_zero.initialize(tiny_model("llama", seed=11),
+                                Case(stage=3, dtype="fp32", gas=1, model="llama", scheduler=False).zero_config())
+    load_checkpoint(engine, ckpt)
+    save_results_and_exit({"loaded": _full_fp32(engine.module), "world": dist.get_world_size()}, out_path)
+
+
 def main() -> None:
     from tests.strict_collectives import install_from_env
 
     install_from_env()
+    if sys.argv[1] == "--load":
+        load_elsewhere(sys.argv[2], sys.argv[3])
+        return
     install()
     cases_path, out_path = sys.argv[1], sys.argv[2]
     with open(cases_path) as f:

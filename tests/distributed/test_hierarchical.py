@@ -23,6 +23,7 @@ import torch
 
 from _cases import Case
 from _drift_bound import assert_within
+from _launch import torchrun
 from _reference import reference_run
 
 pytestmark = pytest.mark.slow
@@ -160,3 +161,14 @@ def test_16bit_export_and_consolidate_from_the_2d_mesh(runs):
             if key in weights:  # a tied head is written once
                 assert torch.equal(weights[key].float(), value), (folder, key)
         assert len(weights) >= len(saved) - 1
+
+
+def test_a_hierarchical_checkpoint_loads_on_another_world_size(runs, tmp_path):
+    """The 2 x 2 MiCS run's checkpoint, loaded by 2 ranks on a flat mesh: the same weights."""
+    ck = runs["checkpoints"]["mics_to_flat"]
+    torchrun("tests/distributed/hier_worker.py", "--load", ck["ckpt"], str(tmp_path / "out.pt"), nproc=2)
+    got = torch.load(tmp_path / "out.pt", weights_only=False)
+    assert got["world"] == 2
+    assert set(got["loaded"]) == set(ck["saved"])
+    for key, value in ck["saved"].items():
+        assert torch.equal(got["loaded"][key], value), key
