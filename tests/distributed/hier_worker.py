@@ -134,6 +134,27 @@ def checkpoints_across_layouts(workdir: str) -> dict:
     return out
 
 
+def gathered_parameters_on_the_2d_mesh() -> dict:
+    """DeepSpeed's GatheredParameters on a MiCS 2 x 2 engine: every rank reads the whole weight
+    inside the block, and rank 2's edit (another node's rank) is what every rank holds after it."""
+    import hf_zero
+    from hf_zero.deepspeed_api.zero import GatheredParameters
+    from _models import tiny_model
+
+    model = tiny_model("llama")
+    want = model.lm_head.weight.detach().clone()
+    engine = hf_zero.initialize(model, Case(stage=3, dtype="fp32", gas=1, model="llama", mics=2,
+                                            scheduler=False).zero_config())
+    rank = dist.get_rank()
+    weight = engine.module.lm_head.weight
+    with GatheredParameters(weight, modifier_rank=2):
+        read = torch.equal(weight.detach().cpu(), want)
+        if rank == 2:
+            weight.data.mul_(2.0)
+    after = engine.module.lm_head.weight.detach().full_tensor().cpu()
+    return {"read_whole": read, "edited": torch.equal(after, want * 2.0)}
+
+
 def load_elsewhere(ckpt: str, out_path: str) -> None:
     """On another world size (a flat mesh): load a checkpoint the 2 x 2 MiCS run saved."""
     import hf_zero
@@ -189,6 +210,9 @@ def main() -> None:
         dist.all_gather_object(everyone, dict(traffic))
         results[case.name]["traffic"] = everyone
     results["checkpoints"] = checkpoints_across_layouts(os.path.dirname(out_path))
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, gathered_parameters_on_the_2d_mesh())
+    results["gathered"] = everyone
     save_results_and_exit(results, out_path)
 
 

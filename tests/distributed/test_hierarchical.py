@@ -172,3 +172,8 @@ def test_a_hierarchical_checkpoint_loads_on_another_world_size(runs, tmp_path):
     assert set(got["loaded"]) == set(ck["saved"])
     for key, value in ck["saved"].items():
         assert torch.equal(got["loaded"][key], value), key
+
+
+def test_gathered_parameters_reads_and_edits_on_the_2d_mesh(runs):
+    for rank, got in enumerate(runs["gathered"]):
+        assert got == {"read_whole": True, "edited": True}, (rank, got)
