@@ -21,3 +21,19 @@ def torchrun(script: str | Path, *args: str, nproc: int = 2, timeout: float = 60
     if proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
     return proc
+
+
+def run_nodes(lines: list[list[str]], envs: list[dict], cwd: str | Path, timeout: float = 600) -> list[tuple[int, str, str]]:
+    """Start one launcher process per "node" at once (each its command line and environment), wait
+    for all, kill what is left on a timeout; ``(returncode, stdout, stderr)`` per node."""
+    nodes = [subprocess.Popen(line, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for line, env in zip(lines, envs)]
+    outs: list[tuple[str, str]] = []
+    try:
+        outs = [n.communicate(timeout=timeout) for n in nodes]
+    finally:
+        for n in nodes:
+            if n.poll() is None:
+                n.kill()
+                n.communicate()
+    return [(n.returncode, out, err) for n, (out, err) in zip(nodes, outs)]

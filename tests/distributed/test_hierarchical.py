@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import os
 import socket
-import subprocess
 import sys
 from pathlib import Path
 
@@ -23,7 +22,7 @@ import torch
 
 from _cases import Case
 from _drift_bound import assert_within
-from _launch import torchrun
+from _launch import run_nodes, torchrun
 from _reference import reference_run
 
 pytestmark = pytest.mark.slow
@@ -51,21 +50,11 @@ def runs(tmp_path_factory):
     port = str(_free_port())
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_ZERO_STRICT_COLLECTIVES": "1",
            "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    nodes = []
-    for node in (0, 1):
-        line = [sys.executable, "-m", "hf_zero.cli.main", "run", "--nnodes", "2", "--node_rank", str(node),
-                "--master_addr", "127.0.0.1", "--master_port", port, "--nproc_per_node", "2",
-                "tests/distributed/hier_worker.py", str(tmp / "cases.json"), str(tmp / "out.pt")]
-        nodes.append(subprocess.Popen(line, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    outs = []
-    try:
-        outs = [n.communicate(timeout=600) for n in nodes]
-    finally:
-        for n in nodes:
-            if n.poll() is None:
-                n.kill()
-    for n, (out, err) in zip(nodes, outs):
-        assert n.returncode == 0, f"node failed ({n.returncode}):\n{out[-3000:]}\n{err[-6000:]}"
+    lines = [[sys.executable, "-m", "hf_zero.cli.main", "run", "--nnodes", "2", "--node_rank", str(node),
+              "--master_addr", "127.0.0.1", "--master_port", port, "--nproc_per_node", "2",
+              "tests/distributed/hier_worker.py", str(tmp / "cases.json"), str(tmp / "out.pt")] for node in (0, 1)]
+    for code, out, err in run_nodes(lines, [env, env], REPO):
+        assert code == 0, f"node failed ({code}):\n{out[-3000:]}\n{err[-6000:]}"
     return torch.load(tmp / "out.pt", weights_only=False)
 
 

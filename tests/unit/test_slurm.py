@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from hf_zero.cli.launch import LaunchLineError, plan_launch_line, torchrun_namespace
+from tests.distributed._launch import run_nodes
 from hf_zero.cli.launch.slurm import MAX_RANGE, SlurmEnvError, expand_hostlist, in_slurm_job, read_slurm_env
 
 REPO = Path(__file__).resolve().parents[2]
@@ -337,17 +338,10 @@ def test_two_hf_zero_runs_with_slurms_variables_form_one_two_node_job(tmp_path):
     # The port is the line's (a free one: 29500 may be taken here); the rest comes from SLURM.
     line = [sys.executable, "-m", "hf_zero.cli.main", "run", "--nproc_per_node", "1", "--master_port",
             str(_free_port()), str(script), "--out", str(out)]
-    nodes = [subprocess.Popen(line, cwd=tmp_path, env={**base, "SLURM_NODEID": str(i), "SLURM_PROCID": str(i)},
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in (0, 1)]
-    try:
-        results = [node.communicate(timeout=120) for node in nodes]
-    finally:
-        for node in nodes:
-            if node.poll() is None:
-                node.kill()
-                node.communicate()
-    for node_id, (node, (stdout, stderr)) in enumerate(zip(nodes, results)):
-        assert node.returncode == 0, f"node {node_id} exited {node.returncode}\n{stdout[-2000:]}\n{stderr[-4000:]}"
+    results = run_nodes([line, line], [{**base, "SLURM_NODEID": str(i), "SLURM_PROCID": str(i)} for i in (0, 1)],
+                        tmp_path, timeout=120)
+    for node_id, (code, stdout, stderr) in enumerate(results):
+        assert code == 0, f"node {node_id} exited {code}\n{stdout[-2000:]}\n{stderr[-4000:]}"
         assert (f"hf-zero run: from SLURM: --nnodes 2 --node_rank {node_id} --master_addr localhost "
                 "(job 4242: SLURM_NNODES=2") in stderr, stderr[-2000:]
     records = {int(p.stem[4:]): json.loads(p.read_text()) for p in out.glob("rank*.json")}
