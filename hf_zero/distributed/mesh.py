@@ -41,6 +41,9 @@ class MeshPlan:
     """Groups the shards are replicated across (1 on a flat mesh)."""
     reshard_after_forward: bool | int
     """FSDP2's argument: True (stage 3), False (stage 2), or the hpZ group size."""
+    hpz_same_as_shard: bool = False
+    """``zero_hpz_partition_size`` equals the shard group (ZeRO++'s one-node example, 8 on 8 GPUs):
+    the secondary copy would be the primary one, so nothing changes."""
 
     @property
     def hierarchical(self) -> bool:
@@ -49,6 +52,8 @@ class MeshPlan:
     def describe(self) -> str:
         """One line for the start-up log: what the keys became."""
         parts = []
+        if self.hpz_same_as_shard:
+            parts.append(f"{_HPZ} equals the shard group of {self.shard} ranks: no secondary partition, nothing changes")
         if self.hierarchical:
             parts.append(f"{_MICS}={self.shard}: parameters, gradients and optimizer state sharded inside "
                          f"{self.replicate} groups of {self.shard} ranks, replicated across them "
@@ -72,25 +77,31 @@ def plan_mesh(stage: int, world: int, ranks_per_node: int, mics_shard_size: int 
             between groups partly (a group must divide the ranks per node or be a multiple of it).
 
     >>> plan_mesh(3, 16, 8, mics_shard_size=8)
-    MeshPlan(world=16, shard=8, replicate=2, reshard_after_forward=True)
+    MeshPlan(world=16, shard=8, replicate=2, reshard_after_forward=True, hpz_same_as_shard=False)
     >>> plan_mesh(3, 16, 8, hpz_partition_size=8).reshard_after_forward
     8
+    >>> plan_mesh(3, 8, 8, hpz_partition_size=8).reshard_after_forward  # one node: nothing to do
+    True
     """
     reshard: bool | int = stage == 3
+    same = False
     shard = world
     if mics_shard_size > 0 and mics_shard_size != world:
         _check_group(_MICS, mics_shard_size, world, ranks_per_node)
         shard = mics_shard_size
-    if stage == 3 and hpz_partition_size > 1:
-        if hpz_partition_size >= shard or shard % hpz_partition_size:
+    if stage == 3 and hpz_partition_size > 1 and hpz_partition_size == shard:
+        same = True  # a secondary partition over the whole shard group is the primary one
+    elif stage == 3 and hpz_partition_size > 1:
+        if hpz_partition_size > shard or shard % hpz_partition_size:
             where = f"the shard group of {shard} ranks" + (f" ({_MICS})" if shard != world else " (the world size)")
             raise MeshError(
-                f"{_HPZ}={hpz_partition_size} must divide {where} and be smaller than it (torch's "
-                "reshard_after_forward=int): use the ranks of one node, or 1 to switch hpZ off"
+                f"{_HPZ}={hpz_partition_size} must divide {where} (torch's reshard_after_forward=int): use the "
+                "ranks of one node, or 1 to switch hpZ off"
             )
         _check_group(_HPZ, hpz_partition_size, world, ranks_per_node)
         reshard = hpz_partition_size
-    return MeshPlan(world=world, shard=shard, replicate=world // shard, reshard_after_forward=reshard)
+    return MeshPlan(world=world, shard=shard, replicate=world // shard, reshard_after_forward=reshard,
+                    hpz_same_as_shard=same)
 
 
 def _check_group(key: str, size: int, world: int, ranks_per_node: int) -> None:

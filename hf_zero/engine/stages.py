@@ -289,7 +289,8 @@ class FullyShardedStage:
         plan = self.mesh_plan()
         self._check_hierarchical(plan)
         mesh = build_mesh(self.env.device.type, plan)
-        if self.env.is_main and (plan.hierarchical or plan.reshard_after_forward not in (True, False)):
+        if self.env.is_main and (plan.hierarchical or plan.hpz_same_as_shard
+                                 or plan.reshard_after_forward not in (True, False)):
             logger.info("hf_zero: %s", plan.describe())
         kwargs = dict(
             mesh=mesh,

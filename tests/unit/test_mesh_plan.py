@@ -37,9 +37,9 @@ def test_plans(stage, world, per_node, mics, hpz, want):
     (16, 8, 6, 1, "mics_shard_size=6 does not divide the world size 16"),
     (16, 8, 32, 1, "mics_shard_size=32 does not divide the world size 16"),
     (24, 8, 12, 1, "mics_shard_size=12 splits the 8 ranks of a node"),
-    (16, 8, -1, 16, "zero_hpz_partition_size=16 must divide the shard group of 16 ranks (the world size)"),
+    (16, 8, -1, 32, "zero_hpz_partition_size=32 must divide the shard group of 16 ranks (the world size)"),
     (16, 8, -1, 3, "zero_hpz_partition_size=3 must divide"),
-    (32, 8, 8, 8, "zero_hpz_partition_size=8 must divide the shard group of 8 ranks (zero_optimization.mics_shard_size)"),
+    (32, 8, 8, 16, "zero_hpz_partition_size=16 must divide the shard group of 8 ranks (zero_optimization.mics_shard_size)"),
     (24, 8, -1, 5, "zero_hpz_partition_size=5 must divide"),
     (48, 8, -1, 12, "zero_hpz_partition_size=12 splits the 8 ranks of a node"),
 ])
@@ -47,6 +47,16 @@ def test_refused_with_the_key_and_what_to_use(world, per_node, mics, hpz, messag
     with pytest.raises(MeshError) as err:
         plan_mesh(3, world, per_node, mics, hpz)
     assert message in str(err.value)
+
+
+def test_hpz_of_the_whole_shard_group_changes_nothing():
+    """ZeRO++'s one-node example (zero_hpz_partition_size 8 on 8 GPUs): the secondary partition is
+    the primary one; accepted, said at start-up, and the run is plain ZeRO-3 (also with offload)."""
+    plan = plan_mesh(3, 8, 8, hpz_partition_size=8)
+    assert (plan.shard, plan.replicate, plan.reshard_after_forward, plan.hpz_same_as_shard) == (8, 1, True, True)
+    assert "equals the shard group of 8 ranks" in plan.describe() and "nothing changes" in plan.describe()
+    also = plan_mesh(3, 16, 8, mics_shard_size=8, hpz_partition_size=8)
+    assert (also.shard, also.replicate, also.reshard_after_forward) == (8, 2, True)
 
 
 def test_describe_says_what_each_key_became():
