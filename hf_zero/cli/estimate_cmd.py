@@ -18,6 +18,17 @@ from pathlib import Path
 from typing import Any
 
 from hf_zero.cli.subcommand import add_subcommand, standalone_parser
+from hf_zero.estimator.comm_report import (
+    DEFAULT_COMPUTE_TFLOPS,
+    DEFAULT_INTER_NODE_GBPS,
+    DEFAULT_INTRA_NODE_GBPS,
+    NODE_SWEEP,
+    Links,
+    recommend,
+    render_plan,
+    sweep,
+    workload,
+)
 from hf_zero.estimator import (
     ALL_LINEAR,
     DEFAULT_GPU_RESERVE_BYTES,
@@ -27,6 +38,7 @@ from hf_zero.estimator import (
     DEFAULT_SUB_GROUP_SIZE,
     PRECISIONS,
     EstimatorError,
+    load_model_spec,
     estimate,
     parse_param_count,
     render_report,
@@ -75,6 +87,8 @@ def _configure(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
     cluster = parser.add_argument_group("hardware")
     _add(cluster, "--num_gpus", type=int, default=1, metavar="N", help="GPUs per node (default 1)")
+    cluster.add_argument("--gpus_per_node", "--gpus-per-node", dest="num_gpus", type=int, default=argparse.SUPPRESS,
+                         metavar="N", help="the same as --num_gpus")
     _add(cluster, "--num_nodes", type=int, default=1, metavar="M", help="nodes (default 1)")
     _add(cluster, "--gpu_memory", default=None, metavar="SIZE", help="memory of one GPU, e.g. 24GB (default: not checked)")
     _add(cluster, "--cpu_memory", default=None, metavar="SIZE", help="host RAM per node, e.g. 128GB (default: not checked)")
@@ -101,6 +115,21 @@ def _configure(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
          help="model states only (parameters, gradients, optimizer): the ZeRO paper's formulas")
     _add(training, "--sub_group_size", type=_count, default=DEFAULT_SUB_GROUP_SIZE, metavar="N",
          help="optimizer sub-group elements (1e8, 100M); sizes the NVMe host buffers (default 1e9)")
+
+    comm = parser.add_argument_group("communication plan (printed with --num_nodes > 1 or --plan)")
+    _add(comm, "--plan", action="store_true",
+         help="print the bytes each GPU sends per step inside its node and across nodes for stages 1-3, flat, "
+              "MiCS (mics_shard_size) and hpZ (zero_hpz_partition_size), a modelled step time and the layout "
+              f"to use, for {', '.join(map(str, NODE_SWEEP))} nodes and --num_nodes")
+    _add(comm, "--gradient_accumulation_steps", type=int, default=1, metavar="N", help="micro-steps per step (default 1)")
+    _add(comm, "--intra_node_bandwidth", type=float, default=DEFAULT_INTRA_NODE_GBPS, metavar="GB/s",
+         help=f"GB/s one GPU sends inside its node (default {DEFAULT_INTRA_NODE_GBPS:g}: NVLink 4 / NVSwitch)")
+    _add(comm, "--inter_node_bandwidth", type=float, default=DEFAULT_INTER_NODE_GBPS, metavar="GB/s",
+         help=f"GB/s one GPU sends to other nodes (default {DEFAULT_INTER_NODE_GBPS:g}: a 400 Gb/s NIC per GPU)")
+    _add(comm, "--tflops", type=float, default=DEFAULT_COMPUTE_TFLOPS, metavar="TFLOP/s",
+         help=f"achieved TFLOP/s per GPU (default {DEFAULT_COMPUTE_TFLOPS:g}: ~40%% of an H100's bf16 peak)")
+    _add(comm, "--communication_data_type", choices=("fp32", "bf16", "fp16"), default="fp32",
+         help="dtype gradients are reduced in (the config key of that name; hf_zero's default fp32)")
 
     output = parser.add_argument_group("output")
     _add(output, "--json", action="store_true",
@@ -166,11 +195,23 @@ def run(args: argparse.Namespace) -> int:
         print(f"hf-zero estimate: error: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
 
+    plan = None
+    if args.plan or args.num_nodes > 1:
+        try:
+            plan = _plan(args, est)
+        except EstimatorError as exc:
+            print(f"hf-zero estimate: error: {exc}", file=sys.stderr)
+            return EXIT_BAD_INPUT
     best = est.fastest_fit
-    if args.json:
+    if args.json and args.plan:
+        print(json.dumps({"memory": est.as_rows(), "communication": plan[1]}, indent=2))
+    elif args.json:
         print(json.dumps(est.as_rows(), indent=2))
     else:
         print(render_report(est, nvme_path=args.nvme_path))
+        if plan is not None:
+            print()
+            print(plan[0])
     if args.save_config and best is not None:
         cfg = zero_config_for(best, nvme_path=args.nvme_path, sub_group_size=est.sub_group_size,
                               largest_tensor=est.model.largest_tensor)
@@ -184,6 +225,33 @@ def run(args: argparse.Namespace) -> int:
     elif args.save_config:
         print(f"hf-zero estimate: nothing fits, so {args.save_config!r} was not written", file=sys.stderr)
     return EXIT_FITS if best is not None else EXIT_NOTHING_FITS
+
+
+def _plan(args: argparse.Namespace, est) -> tuple[str, list[dict]]:
+    """The communication plan's text and JSON rows (``comm_report.py``)."""
+    for flag in ("num_gpus", "num_nodes", "gradient_accumulation_steps"):
+        if getattr(args, flag) < 1:
+            raise EstimatorError(f"--{flag} must be at least 1, got {getattr(args, flag)}")
+    for flag in ("intra_node_bandwidth", "inter_node_bandwidth", "tflops"):
+        if not getattr(args, flag) > 0:
+            raise EstimatorError(f"--{flag} must be positive, got {getattr(args, flag)}")
+    spec = est.model if est.model.fsdp_units else load_model_spec(
+        args.model, hidden_size=args.hidden_size, num_layers=args.num_layers, num_heads=args.num_heads,
+        vocab_size=args.vocab_size, intermediate_size=args.intermediate_size, num_kv_heads=args.num_kv_heads,
+        trust_remote_code=args.trust_remote_code)
+    work = workload(spec, dtype=args.dtype, gas=args.gradient_accumulation_steps,
+                    tokens_per_gpu=args.micro_batch_size * args.seq_len * args.gradient_accumulation_steps,
+                    lora_rank=args.lora_rank, lora_target_modules=_targets(args.lora_target_modules),
+                    gradient_checkpointing=args.gradient_checkpointing, reduce_dtype=args.communication_data_type)
+    links = Links(intra=args.intra_node_bandwidth * 1e9, inter=args.inter_node_bandwidth * 1e9,
+                  flops=args.tflops * 1e12)
+    counts = sorted(set(NODE_SWEEP) | {args.num_nodes}) if args.plan else [args.num_nodes]
+    table = sweep(work, args.num_gpus, links, counts)
+    rows = []
+    for k in counts:
+        best, why = recommend(table[k])
+        rows.extend({**r.as_dict(), "recommended": r is best, **({"why": why} if r is best else {})} for r in table[k])
+    return render_plan(work, args.num_nodes, args.num_gpus, links, full_sweep=args.plan), rows
 
 
 if __name__ == "__main__":

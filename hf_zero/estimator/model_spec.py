@@ -108,6 +108,9 @@ class ModelSpec:
     """Name of the output embedding (LM head), which peft's ``all-linear`` leaves out."""
     notes: tuple[str, ...] = field(default=())
     """Assumptions made while reading the model, shown in the report."""
+    fsdp_units: tuple[Any, ...] = ()
+    """The engine's FSDP2 units with their parameter shapes (``comm_plan.UnitShapes``, root last),
+    when the model was built on the meta device: what the communication plan counts exactly."""
 
     @property
     def has_blocks(self) -> bool:
@@ -308,6 +311,8 @@ def _build_on_meta(config: Any, trust_remote_code: bool) -> Any:
 def _spec_from_meta_model(model: Any, config: Any, name: str) -> ModelSpec:
     import torch
 
+    from hf_zero.estimator.comm_plan import fsdp_units_of
+
     try:
         from transformers.pytorch_utils import Conv1D
     except ImportError:  # pragma: no cover - present in every supported transformers
@@ -360,6 +365,7 @@ def _spec_from_meta_model(model: Any, config: Any, name: str) -> ModelSpec:
         largest_tensor=max((p.numel() for p in params), default=0),
         linear_layers=tuple(linear_layers),
         output_layer=output_name,
+        fsdp_units=tuple(fsdp_units_of(model)),
         notes=() if blocks else ("no transformer blocks found: stage-2/3 gathered-parameter buffers not estimated",),
     )
 

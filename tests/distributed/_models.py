@@ -10,7 +10,8 @@ VOCAB = 128
 def tiny_model(kind: str, seed: int = 0):
     """A randomly initialised 2-layer causal LM (hidden 64); same weights for the same seed.
 
-    ``qwen2_tied`` ties input and output embeddings; ``llama`` does not; ``qwen2_moe`` has MoE blocks.
+    ``qwen2_tied`` ties input and output embeddings; ``llama`` does not; ``qwen2_moe`` has MoE blocks;
+    ``llama_odd`` has first dimensions no shard group divides (vocabulary 131, MLP 125): padded shards.
     """
     from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen2MoeConfig
 
@@ -27,6 +28,8 @@ def tiny_model(kind: str, seed: int = 0):
         cfg = Qwen2Config(tie_word_embeddings=True, **common)
     elif kind == "llama":
         cfg = LlamaConfig(tie_word_embeddings=False, **common)
+    elif kind == "llama_odd":
+        cfg = LlamaConfig(tie_word_embeddings=False, **{**common, "vocab_size": VOCAB + 3, "intermediate_size": 125})
     elif kind == "qwen2_moe":
         cfg = Qwen2MoeConfig(
             tie_word_embeddings=False, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,

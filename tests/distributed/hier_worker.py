@@ -27,19 +27,35 @@ import parity_worker  # noqa: E402
 from _worker_io import save_results_and_exit  # noqa: E402
 
 # The data-moving calls FSDP2 and hf_zero make (the *_single ones are torch >= 2.12's names; the
-# deprecated ones may call them, so only the outermost call of a thread counts).
-_OPS = ("all_gather_single", "all_gather_into_tensor", "reduce_scatter_single", "reduce_scatter_tensor", "all_reduce")
+# deprecated ones may call them, so only the outermost call of a thread counts), and the
+# functional collectives DTensor's full_tensor() makes (the gradient norm's reduction).
+_OPS = ("all_gather_single", "all_gather_into_tensor", "reduce_scatter_single", "reduce_scatter_tensor", "all_reduce",
+        "broadcast")
+_FUNCOL_OPS = ("all_gather_single", "all_gather_tensor", "reduce_scatter_single", "reduce_scatter_tensor", "all_reduce")
+_OWN = ("parity_worker.py", "hier_worker.py")
+"""The test's own reductions (the mean loss it reports) are not the engine's traffic."""
 _depth = threading.local()
 traffic: dict[str, int] = {}
 recording = {"on": False}
 
 
-def _group_key(group) -> str:
-    ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
-    return ",".join(str(r) for r in sorted(ranks))
+def _ranks(group) -> list[int]:
+    return dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
 
 
-def _recorded(name, fn):
+def _funcol_ranks(group, tag: str = "") -> list[int]:
+    from torch.distributed import _functional_collectives as funcol
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    return _ranks(_resolve_process_group(funcol._resolve_group_name(group, tag)))
+
+
+def _record(op: str, ranks: list[int], nbytes: int) -> None:
+    key = f"{op}|{','.join(str(r) for r in sorted(ranks))}"
+    traffic[key] = traffic.get(key, 0) + nbytes
+
+
+def _recorded(name, fn, functional: bool = False):
     params = list(inspect.signature(fn).parameters)
 
     @functools.wraps(fn)
@@ -47,16 +63,24 @@ def _recorded(name, fn):
         outer = getattr(_depth, "n", 0) == 0
         _depth.n = getattr(_depth, "n", 0) + 1
         try:
-            if outer and recording["on"]:
+            caller = os.path.basename(sys._getframe(1).f_code.co_filename)
+            if outer and recording["on"] and caller not in _OWN:
                 bound = dict(zip(params, args), **kwargs)
-                if name == "all_reduce":
-                    op, big = "all_reduce", bound[params[0]]
-                elif name.startswith("all_gather"):  # (output, input): the gathered output
-                    op, big = "all_gather", bound[params[0]]
-                else:  # (output, input): the input being reduced, the whole unit's gradients
-                    op, big = "reduce_scatter", bound[params[1]]
-                key = f"{op}|{_group_key(bound.get('group'))}"
-                traffic[key] = traffic.get(key, 0) + big.numel() * big.element_size()
+                first = bound[params[0]]
+                if functional:  # (input, ..., group): an all-gather's output is the input times the group
+                    ranks = _funcol_ranks(bound["group"], bound.get("tag", ""))
+                    op = name.split("_single")[0].replace("_tensor", "")
+                    scale = len(ranks) if op == "all_gather" else 1
+                    _record(op, ranks, first.numel() * first.element_size() * scale)
+                else:
+                    ranks = _ranks(bound.get("group"))
+                    if name in ("all_reduce", "broadcast"):
+                        op, big = name, first
+                    elif name.startswith("all_gather"):  # (output, input): the gathered output
+                        op, big = "all_gather", first
+                    else:  # (output, input): the input being reduced, the whole unit's gradients
+                        op, big = "reduce_scatter", bound[params[1]]
+                    _record(op, ranks, big.numel() * big.element_size())
             return fn(*args, **kwargs)
         finally:
             _depth.n -= 1
@@ -65,6 +89,7 @@ def _recorded(name, fn):
 
 
 def install() -> None:
+    from torch.distributed import _functional_collectives as funcol
     from torch.distributed import distributed_c10d
 
     for name in _OPS:
@@ -74,6 +99,20 @@ def install() -> None:
             setattr(dist, name, wrapped)
             if getattr(distributed_c10d, name, None) is fn:
                 setattr(distributed_c10d, name, wrapped)
+    for name in _FUNCOL_OPS:
+        fn = getattr(funcol, name, None)
+        if fn is not None:
+            setattr(funcol, name, _recorded(name, fn, functional=True))
+
+
+def count_ddp(engine) -> None:
+    """Stages 0/1: DDP reduces its gradient buckets in C++; torch's own all-reduce comm hook (what
+    DDP does, divide by the world and sum) sends them through ``dist.all_reduce``, where they count."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    ddp = getattr(engine.stage, "ddp", None)
+    if ddp is not None:
+        ddp.register_comm_hook(None, default_hooks.allreduce_hook)
 
 
 def _train(engine, data, steps) -> list[float]:
@@ -196,6 +235,7 @@ def main() -> None:
             return out
 
         engine.step = step
+        count_ddp(engine)
         traffic.clear()
         recording["on"] = True
         return engine

@@ -34,7 +34,11 @@ CASES = [
     Case(stage=3, dtype="fp32", gas=1, model="llama", mics=2),
     Case(stage=2, dtype="fp32", gas=2, model="qwen2_tied", mics=2),
     Case(stage=3, dtype="fp32", gas=1, model="qwen2_tied", hpz=2),
+    # For the communication plan: padded shards (dims no group divides), 16-bit gathers; DDP's stage 1.
+    Case(stage=3, dtype="bf16", gas=2, model="llama_odd", mics=2),
+    Case(stage=1, dtype="fp32", gas=2, model="llama"),
 ]
+SHARDED_EVENLY = CASES[:3]
 
 
 def _free_port() -> int:
@@ -66,21 +70,34 @@ def _traffic(run, rank: int) -> dict[tuple[str, str], int]:
     return out
 
 
+# (loss rtol, grad-norm rtol, weight deviation relative to the update size): test_stage_parity's
+TOLERANCE = {"fp32": (1e-5, 1e-4, 1e-4), "bf16": (2e-3, 5e-2, 5e-2)}
+
+
+def _update_deviation(got: dict, ref: dict) -> float:
+    num = sum(float(((got[k] - ref["final_state"][k]) ** 2).sum()) for k in ref["final_state"])
+    den = sum(float(((ref["final_state"][k] - ref["initial_state"][k]) ** 2).sum()) for k in ref["final_state"])
+    return (num / den) ** 0.5
+
+
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
 def test_matches_single_process_reference(case: Case, runs):
     got = runs[case.name]
     ref = reference_run(case, world=WORLD)
-    torch.testing.assert_close(got["losses"], ref["losses"], rtol=1e-5, atol=0)
-    torch.testing.assert_close(got["grad_norms"], ref["grad_norms"], rtol=1e-4, atol=0)
+    loss_rtol, norm_rtol, weight_tol = TOLERANCE[case.dtype]
+    torch.testing.assert_close(got["losses"], ref["losses"], rtol=loss_rtol, atol=0)
+    torch.testing.assert_close(got["grad_norms"], ref["grad_norms"], rtol=norm_rtol, atol=0)
     assert set(got["final_state"]) == set(ref["final_state"])
-    for name, tensor in ref["final_state"].items():  # within what reduction order explains (_drift_bound.py)
-        assert_within(got["final_state"][name], tensor, ref["drift"].get(name, 0.0), name, case.steps)
+    assert _update_deviation(got["final_state"], ref) < weight_tol
+    if case.dtype == "fp32":  # entry by entry, within what reduction order explains (_drift_bound.py)
+        for name, tensor in ref["final_state"].items():
+            assert_within(got["final_state"][name], tensor, ref["drift"].get(name, 0.0), name, case.steps)
     moved = sum(not torch.equal(ref["final_state"][k], ref["initial_state"][k]) for k in ref["final_state"])
     assert moved == len(ref["final_state"])
     assert all(r["sharding"]["global_steps"] == case.steps for r in got["ranks"])
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+@pytest.mark.parametrize("case", SHARDED_EVENLY, ids=lambda c: c.name)
 def test_each_rank_holds_its_groups_share(case: Case, runs):
     ranks = runs[case.name]["ranks"]
     shard = case.mics if case.mics > 0 else WORLD
@@ -166,3 +183,21 @@ def test_a_hierarchical_checkpoint_loads_on_another_world_size(runs, tmp_path):
 def test_gathered_parameters_reads_and_edits_on_the_2d_mesh(runs):
     for rank, got in enumerate(runs["gathered"]):
         assert got == {"read_whole": True, "edited": True}, (rank, got)
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_the_communication_plan_is_the_measured_bytes_per_group(case: Case, runs):
+    """``hf-zero estimate --plan`` counts, from the model's shapes, what every collective of a step
+    moves per process group; the hook on torch.distributed measured it on every rank: equal, exactly."""
+    from hf_zero.estimator.comm_plan import fsdp_units_of, group_ranks, step_collectives
+    from _models import tiny_model
+
+    shard = case.mics if case.mics > 0 else WORLD
+    plan = step_collectives(fsdp_units_of(tiny_model(case.model)), stage=case.stage, world=WORLD, gas=case.gas,
+                            param_bytes=2 if case.dtype in ("bf16", "fp16") else 4, shard=shard, hpz=case.hpz)
+    for rank in range(WORLD):
+        want: dict[str, int] = {}
+        for c in plan:
+            key = f"{c.op}|{','.join(map(str, group_ranks(c.group, rank, WORLD, shard, case.hpz)))}"
+            want[key] = want.get(key, 0) + c.nbytes * case.steps
+        assert runs[case.name]["traffic"][rank] == want, (case.name, rank)
