@@ -22,6 +22,7 @@ model's mesh:
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any
 
@@ -87,14 +88,22 @@ def _shard(model: nn.Module, config: Any, env: Any, precision: Any) -> None:
     from hf_zero.engine.stages import FullyShardedStage
     from hf_zero.offload.param_offload import frozen_offload_policy
 
-    stage = FullyShardedStage(3, config.zero_optimization, env, precision)
-    offload = config.zero_optimization.offload_param
+    zero = config.zero_optimization
+    if zero.hpz_partition_size > 1:
+        # hpZ's secondary partition serves the backward's all-gathers; a frozen model has no
+        # backward. With it, every unit would stay on the post-forward mesh after each forward, and
+        # ``parameters()`` would be those copies instead of the shards beside the trained model's
+        # (TR-DPO's sync adds shard to shard): the frozen model reshards fully after its forward.
+        zero = dataclasses.replace(zero, hpz_partition_size=1)
+    stage = FullyShardedStage(3, zero, env, precision)
+    plan = stage.mesh_plan()  # the trained model's mesh (replicate x shard with mics_shard_size)
+    offload = zero.offload_param
     if offload.device != "none":
         if offload.device == "nvme" and env.is_main:
             logger.info("hf_zero: frozen %s kept in host memory (offload_param nvme swaps trained models only)",
                         type(model).__name__)
         # Pinned only when the shards fit the host's headroom (review N5), else pageable with a warning.
-        stage.fsdp_extra = {"offload_policy": frozen_offload_policy(offload, model, env.world_size,
+        stage.fsdp_extra = {"offload_policy": frozen_offload_policy(offload, model, plan.shard,
                                                                     precision.compute_dtype)}
     stage.wrap(model)
     if hasattr(model, "generate"):
@@ -102,8 +111,9 @@ def _shard(model: nn.Module, config: Any, env: Any, precision: Any) -> None:
         register_fsdp_forward_method(model, "generate")
     if env.is_main:
         local = sum(_local(p).numel() for p in model.parameters())
-        logger.info("hf_zero: frozen %s sharded over %d ranks (%s parameter elements on this rank)",
-                    type(model).__name__, env.world_size, f"{local:,}")
+        where = f"{plan.shard} ranks" + (f", replicated {plan.replicate} times" if plan.hierarchical else "")
+        logger.info("hf_zero: frozen %s sharded over %s (%s parameter elements on this rank)",
+                    type(model).__name__, where, f"{local:,}")
 
 
 def _replicate(model: nn.Module, env: Any) -> None:

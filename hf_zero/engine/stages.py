@@ -232,18 +232,6 @@ class FullyShardedStage:
         return plan_mesh(self.stage, self.env.world_size, max(1, ranks_per_node),
                          self.zero.mics_shard_size, self.zero.hpz_partition_size)
 
-    def _check_hierarchical(self, plan: MeshPlan) -> None:
-        """What hf_zero has not verified on a hierarchical layout is refused, not run unchecked."""
-        hpz = not isinstance(plan.reshard_after_forward, bool)
-        if not (plan.hierarchical or hpz) or self.offload is None:
-            return
-        key = "zero_optimization.mics_shard_size" if plan.hierarchical else "zero_optimization.zero_hpz_partition_size"
-        raise MeshError(
-            f"{key} with offload_optimizer or offload_param is not supported yet (the offloaded optimizer "
-            "reduces its gradient norm over all ranks, which a replicated layout would count twice); remove "
-            f"{key.split('.')[-1]} or the offload section"
-        )
-
     def _reuse(self, model: nn.Module) -> nn.Module:
         """A model an earlier engine sharded (a second Trainer on the same model, a notebook's
         next run): its shards are the trained weights, so they are kept as they are, as DeepSpeed
@@ -287,7 +275,6 @@ class FullyShardedStage:
         if isinstance(model, FSDPModule):
             return self._reuse(model)
         plan = self.mesh_plan()
-        self._check_hierarchical(plan)
         mesh = build_mesh(self.env.device.type, plan)
         if self.env.is_main and (plan.hierarchical or plan.hpz_same_as_shard
                                  or plan.reshard_after_forward not in (True, False)):
@@ -314,7 +301,7 @@ class FullyShardedStage:
                       self.env)
             self.units = find_wrap_units(model)
             if self.offload is not None:
-                kwargs.update(self.offload.prepare_fsdp(model, self.units))
+                kwargs.update(self.offload.prepare_fsdp(model, self.units, mesh=mesh))
             kwargs.update(self.fsdp_extra)
             # stage3_param_persistence_threshold: units whose parameters are all small stay gathered
             # from forward to backward (fsdp_knobs.py says why per unit, not per parameter).

@@ -23,13 +23,14 @@ from hf_zero.offload.cpu_optimizer import OffloadedOptimizer
 __all__ = ["DdpGradFeed", "FsdpGradFeed", "padded_shard_numel"]
 
 
-def padded_shard_numel(param: torch.Tensor, world: int) -> int:
+def padded_shard_numel(param: torch.Tensor, shard_size: int) -> int:
     """Elements FSDP2 gives this parameter in one rank's reduce-scatter output: dim 0 padded to a
-    multiple of the world size, divided by it (``_get_dim0_padded_size``)."""
+    multiple of the ranks it is sharded over (the shard group: the world on a flat mesh,
+    ``mics_shard_size`` on a replicate x shard one), divided by it (``_get_dim0_padded_size``)."""
     shape = tuple(param.shape)
     if not shape:
         return 1
-    rows = -(-shape[0] // world)
+    rows = -(-shape[0] // shard_size)
     rest = 1
     for d in shape[1:]:
         rest *= d
@@ -43,21 +44,27 @@ class FsdpGradFeed:
     with ``param.grad`` already cast to the parameter's dtype -- 16 bit when the parameters are
     16-bit shards. The exact fp32 values are in the reduce-scatter output, which FSDP2 passes to
     the unit's all-reduce hook (``FSDPModule.set_all_reduce_hook``) just before; the parameters
-    follow in it in order, each padded to :func:`_padded_shard_numel`. Every parameter's first
+    follow in it in order, each padded to :func:`padded_shard_numel`. Every parameter's first
     gradient is checked against FSDP2's own cast (on the device, without a synchronization; the
     optimizer step reads the verdict once: :meth:`verify_layout`), so a torch that lays the
     buffer out differently fails with a clear error before any update instead of training on
     wrong gradients. A window the fp16 loss scaler skips proves nothing (its gradients may be all
     nan, which compare equal here), so its parameters are checked again in the next one.
 
+    On a replicate x shard mesh (``mics_shard_size``, FSDP2's HSDP) the all-reduce across the
+    replicas runs in place on that same output, before FSDP2 calls the all-reduce hook and then
+    the post-accumulate-grad hooks (``foreach_reduce`` in torch 2.9 to 2.13), so what the feed
+    reads is the complete gradient shard, the same on every replica.
+
     The reduce-scatter output (4 bytes x the unit's elements / N) is dropped as soon as its last
     parameter's gradient has been copied to the host (and, in any case, by :meth:`release`, which
     the optimizer calls before stepping), so no fp32 gradient buffer outlives its backward.
     """
 
-    def __init__(self, optimizer: OffloadedOptimizer, fsdp_modules: list[nn.Module], params: list[nn.Parameter], world: int):
+    def __init__(self, optimizer: OffloadedOptimizer, fsdp_modules: list[nn.Module], params: list[nn.Parameter],
+                 shard_size: int):
         self._opt = optimizer
-        self._world = world
+        self._shard_size = shard_size  # ranks the reduce-scatter runs over (manager.shard_group)
         self._flat: torch.Tensor | None = None
         self._cursor = 0
         self._unchecked = {id(p) for p in params}  # until a stepped window has checked them
@@ -94,7 +101,7 @@ class FsdpGradFeed:
                     "recover fp32 gradients"
                 )
             exact = flat[self._cursor : self._cursor + n].view(local.shape)
-            self._cursor += padded_shard_numel(param, self._world)
+            self._cursor += padded_shard_numel(param, self._shard_size)
             if id(param) in self._unchecked:
                 self._checked_now.add(id(param))
                 # (with FSDP2's CPU offload policy the 16-bit gradient is a host copy)

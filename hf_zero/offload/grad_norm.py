@@ -5,6 +5,12 @@ host (and, with a partial ``ratio``, some on the accelerator). The norm is taken
 ``torch.nn.utils.get_total_norm`` takes it over DTensors: per-tensor norms of the local shards, one
 all-reduce of their p-th powers, then the norm of the per-tensor norms, so clipping scales the
 gradients by the very factor the non-offloaded path uses.
+
+On a hierarchical (replicate x shard) mesh (``mics_shard_size``) the reduction runs over the shard
+group only: after FSDP2's all-reduce across replicas every replica holds the same gradient shards,
+so the shard group already holds every gradient once. This is what ``get_total_norm`` does with
+(Replicate, Shard) DTensors, and it is exact; an all-reduce over all ranks divided by the replica
+count would round differently (a sum of three equal fp32 values is not always 3x exactly).
 """
 
 from __future__ import annotations
@@ -15,13 +21,16 @@ import torch
 import torch.distributed as dist
 
 
-def sharded_total_norm(grads: list[torch.Tensor], norm_type: float, comm_device: torch.device | None) -> torch.Tensor:
+def sharded_total_norm(grads: list[torch.Tensor], norm_type: float, comm_device: torch.device | None,
+                       group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """The ``norm_type`` norm of the gradients of every rank, as a host fp32 scalar.
 
     Args:
         grads: this rank's gradient shards, in the same parameter order on every rank.
         norm_type: p (``inf`` for the max norm).
         comm_device: where the all-reduce runs (the mesh device), or None in one process.
+        group: the ranks that together hold every gradient once (the shard group of a
+            replicate x shard mesh); None: all ranks (a flat mesh).
 
     >>> sharded_total_norm([torch.tensor([3.0]), torch.tensor([4.0])], 2.0, None)
     tensor(5.)
@@ -35,7 +44,7 @@ def sharded_total_norm(grads: list[torch.Tensor], norm_type: float, comm_device:
             local = norms_on_host(nonempty, norm_type).max()
         if comm_device is not None:
             t = local.reshape(1).to(comm_device)
-            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
             local = t.to("cpu").reshape(())
         return local
     if not grads:
@@ -43,7 +52,7 @@ def sharded_total_norm(grads: list[torch.Tensor], norm_type: float, comm_device:
     norms = norms_on_host(grads, norm_type)
     if comm_device is not None:
         t = (norms**norm_type).to(comm_device)
-        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
         norms = t.to("cpu") ** (1.0 / norm_type)
     return torch.linalg.vector_norm(norms, norm_type)
 

@@ -99,6 +99,9 @@ class OffloadedOptimizer(_NvmeChunks, _OptimizerCheckpoint, _OwnerBroadcast, tor
         param_writer: writes updated values into a parameter shard whose storage another
             backend manages (``offload_param`` NVMe); None writes into the parameter directly.
         swap_dir: makes this rank's swap folder (``nvme`` only; shared with parameter swapping).
+        norm_group: stages 2/3, the process group the gradient norm is reduced over: the shard
+            group of a replicate x shard mesh (``mics_shard_size``), None on a flat mesh (all
+            ranks). ``rank``/``world_size`` stay the global ones (swap folders, stage 1).
         copy_back_thread: copy updated values to the device on a worker thread, overlapping the
             next chunk's step. None (default): when the parameters are on a GPU, where the copy
             is a DMA transfer; when the "device" is the CPU itself, the copy and the step are both
@@ -124,6 +127,7 @@ class OffloadedOptimizer(_NvmeChunks, _OptimizerCheckpoint, _OwnerBroadcast, tor
         param_writer: Callable[[nn.Parameter, int, torch.Tensor], None] | None = None,
         swap_dir: Callable[[], Any] | None = None,
         copy_back_thread: bool | None = None,
+        norm_group: dist.ProcessGroup | None = None,
     ):
         groups = [dict(g) for g in probe.param_groups]
         super().__init__(groups, dict(probe.defaults))
@@ -134,6 +138,7 @@ class OffloadedOptimizer(_NvmeChunks, _OptimizerCheckpoint, _OwnerBroadcast, tor
         self._rank = rank
         self._world = world_size
         self._comm_device = comm_device or torch.device("cpu")
+        self._norm_group = norm_group
         self._owner = plan.owner
         self._param_writer = param_writer
         self._swap_dir_factory = swap_dir
@@ -372,8 +377,9 @@ class OffloadedOptimizer(_NvmeChunks, _OptimizerCheckpoint, _OwnerBroadcast, tor
 
         * stage 1: DDP left the full, averaged gradients on the parameters; their norm is what the
           non-offloaded stage 1 computes, so compute exactly that.
-        * stages 2/3: per-tensor norms of the local shards, one all-reduce of their p-th powers,
-          then the norm of the per-tensor norms -- what ``get_total_norm`` does with DTensors.
+        * stages 2/3: per-tensor norms of the local shards, one all-reduce of their p-th powers
+          (over the shard group: replicas hold the same shards), then the norm of the per-tensor
+          norms -- what ``get_total_norm`` does with DTensors.
         """
         norm_type = float(norm_type)
         if self._owner is not None:
@@ -382,7 +388,8 @@ class OffloadedOptimizer(_NvmeChunks, _OptimizerCheckpoint, _OwnerBroadcast, tor
                 return torch.zeros(())
             return torch.nn.utils.get_total_norm(grads, norm_type=norm_type, foreach=True).to("cpu")
         distributed = self._world > 1 and dist.is_initialized()
-        return sharded_total_norm(self._ordered_grads(), norm_type, self._comm_device if distributed else None)
+        return sharded_total_norm(self._ordered_grads(), norm_type, self._comm_device if distributed else None,
+                                  group=self._norm_group)
 
     def _ordered_grads(self) -> list[torch.Tensor]:
         """This rank's gradient of every parameter that has one, in param-group order (the same

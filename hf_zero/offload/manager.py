@@ -39,7 +39,7 @@ from hf_zero.offload.cpu_optimizer import (
     ParamPlan,
 )
 
-__all__ = ["OffloadManager", "check_offload_config", "make_offload_manager"]
+__all__ = ["OffloadManager", "check_offload_config", "make_offload_manager", "shard_group"]
 
 logger = logging.getLogger("hf_zero")
 
@@ -69,6 +69,20 @@ def make_offload_manager(config: ZeroConfig, env: Any, precision: Any) -> Offloa
         return None
     check_offload_config(config)
     return OffloadManager(config, env, precision)
+
+
+def shard_group(mesh: Any, world: int) -> tuple[int, Any]:
+    """``(ranks a parameter is sharded over, their process group)`` for FSDP2 on ``mesh``.
+
+    A flat mesh (or none) shards over the whole world: the default group (None), as the fill from
+    rank 0 uses it too. A 2-D ``(replicate, shard)`` mesh (``mics_shard_size``) shards over its
+    ``shard`` dimension and replicates across the other.
+    """
+    if mesh is None or mesh.ndim == 1:
+        return (world if mesh is None else mesh.size()), None
+    if mesh.ndim != 2:
+        raise OffloadError(f"offload supports a 1-D or a 2-D (replicate, shard) mesh, got a {mesh.ndim}-D one")
+    return mesh.size(1), mesh.get_group(1)
 
 
 def _partition(params: list[nn.Parameter], world: int) -> dict[int, int]:
@@ -133,10 +147,11 @@ class OffloadManager:
         return collective_device()
 
     # ------------------------------------------------------------------------------ stages 2/3
-    def prepare_fsdp(self, model: nn.Module, units: list[nn.Module]) -> dict[str, Any]:
+    def prepare_fsdp(self, model: nn.Module, units: list[nn.Module], mesh: Any = None) -> dict[str, Any]:
         """Before ``fully_shard``: extra keyword arguments for it (FSDP2's CPU offload policy when
-        ``offload_param`` is set)."""
+        ``offload_param`` is set). ``mesh``: the one ``fully_shard`` gets (None: flat over the world)."""
         kwargs: dict[str, Any] = {}
+        shard_size, _ = shard_group(mesh, self.env.world_size)
         if self.opt_cfg.device != "none":
             self._host_names = self._plan_ratio(model, units)
             self._planned = True
@@ -149,7 +164,7 @@ class OffloadManager:
             # gradient in a hook (with a ratio below 1 the device part has none).
             host_step = self.opt_cfg.device != "none"
             kwargs["offload_policy"] = fsdp_cpu_offload_policy(
-                self.param_cfg, model, self.env.world_size, 2 if half and host_step else None,
+                self.param_cfg, model, shard_size, 2 if half and host_step else None,
                 grads_hooked=host_step and self.opt_cfg.ratio >= 1)
         return kwargs
 
@@ -349,13 +364,19 @@ class OffloadManager:
         swap_dir = None
         if self.opt_cfg.device == "nvme":
             swap_dir = lambda: self._swap_dir(self.opt_cfg.nvme_path, f"{_OPT}.nvme_path")
+        # Stages 2/3: FSDP2 shards over the mesh's shard group (all ranks on a flat mesh, the
+        # mics_shard_size ranks of a replicate x shard one); the gradient feed's offsets and the
+        # norm's reduction follow it. Which slice a rank holds is FSDP2's own (its local shard).
+        mesh = next((p.device_mesh for p in trainable if hasattr(p, "device_mesh")), None)
+        shard_size, norm_group = shard_group(mesh, world) if self.stage >= 2 else (world, None)
         optimizer = OffloadedOptimizer(
             probe, recipe.build, names, cfg, plan,
             rank=rank, world_size=world, comm_device=self.comm_device, param_writer=writer, swap_dir=swap_dir,
+            norm_group=norm_group,
         )
         del probe
         if self.stage >= 2:
-            feed = FsdpGradFeed(optimizer, self._fsdp_modules, plan.host, world)
+            feed = FsdpGradFeed(optimizer, self._fsdp_modules, plan.host, shard_size)
             optimizer.add_feed(feed)
             optimizer.pre_step_checks.append(feed.verify_layout)
         else:

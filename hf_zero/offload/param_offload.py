@@ -50,7 +50,7 @@ logger = logging.getLogger("hf_zero")
 _SETTING = "zero_optimization.offload_param"
 
 
-def fsdp_cpu_offload_policy(cfg: OffloadParamConfig, model: nn.Module | None = None, world_size: int = 1,
+def fsdp_cpu_offload_policy(cfg: OffloadParamConfig, model: nn.Module | None = None, shard_size: int = 1,
                             compute_itemsize: int | None = None, *, grads_hooked: bool = False):
     """FSDP2's ``CPUOffloadPolicy``; pinned host memory only when asked for, a GPU is present and
     the shards fit the host's headroom (:func:`~hf_zero.offload.pinned.pinning_fits`).
@@ -61,7 +61,8 @@ def fsdp_cpu_offload_policy(cfg: OffloadParamConfig, model: nn.Module | None = N
 
     Args:
         model: the model about to be sharded, to size the pinned shards (not checked without it).
-        world_size: ranks the parameters are sharded over.
+        shard_size: ranks the parameters are sharded over: the world on a flat mesh, the shard
+            group (``mics_shard_size``) on a replicate x shard one, whose ranks each hold 1/shard.
         compute_itemsize: bytes per element of the 16-bit copies the shards become after
             sharding (``OffloadManager._to_compute_dtype``, with an offloaded optimizer); FSDP2
             pins those anew, and the allocator keeps the fp32 blocks cached, so both count.
@@ -76,13 +77,13 @@ def fsdp_cpu_offload_policy(cfg: OffloadParamConfig, model: nn.Module | None = N
                     "(their host storage is freed and re-made on every swap)", _SETTING)
         pin = False
     if pin and model is not None:
-        planned = planned_shard_bytes(model, world_size, compute_itemsize,
+        planned = planned_shard_bytes(model, shard_size, compute_itemsize,
                                       gradients=fsdp_pins_gradients(grads_hooked))
         pin = pinning_fits(planned, f"{_SETTING}.pin_memory")
     return CPUOffloadPolicy(pin_memory=pin)
 
 
-def frozen_offload_policy(cfg: OffloadParamConfig, model: nn.Module, world_size: int,
+def frozen_offload_policy(cfg: OffloadParamConfig, model: nn.Module, shard_size: int,
                           compute_dtype: torch.dtype):
     """FSDP2's ``CPUOffloadPolicy`` for a model that is never trained (``engine/frozen.py``): its
     shards in host memory, pinned only when asked for, a GPU is present and they fit the host's
@@ -90,6 +91,7 @@ def frozen_offload_policy(cfg: OffloadParamConfig, model: nn.Module, world_size:
     no plan). Not swapped, so ``device = "nvme"`` pins as ``cpu`` does.
 
     Args:
+        shard_size: ranks the model is sharded over (see :func:`fsdp_cpu_offload_policy`).
         compute_dtype: the run's; a 16-bit one is the dtype frozen parameters are stored in
             (``cast_to_master_dtypes(frozen_in_compute_dtype=True)`` runs before sharding).
     """
@@ -99,7 +101,7 @@ def frozen_offload_policy(cfg: OffloadParamConfig, model: nn.Module, world_size:
     if pin:
         half = compute_dtype in (torch.float16, torch.bfloat16)
         itemsize = torch.empty((), dtype=compute_dtype).element_size() if half else None
-        planned = planned_shard_bytes(model, world_size, stored_itemsize=itemsize)
+        planned = planned_shard_bytes(model, shard_size, stored_itemsize=itemsize)
         pin = pinning_fits(planned, f"{_SETTING}.pin_memory", what=f"the frozen {type(model).__name__}'s shards")
     return CPUOffloadPolicy(pin_memory=pin)
 
@@ -135,10 +137,11 @@ def _fsdp_copies_hooked_grads_synchronously() -> bool:
         return False
 
 
-def planned_shard_bytes(model: nn.Module, world_size: int, compute_itemsize: int | None = None, *,
+def planned_shard_bytes(model: nn.Module, shard_size: int, compute_itemsize: int | None = None, *,
                         gradients: bool = False, stored_itemsize: int | None = None) -> int:
     """Pinned bytes FSDP2 reserves for ``model``'s offloaded shards: one ``pin_memory()`` per
-    shard (dim 0 padded to a multiple of ``world_size``), each rounded to a power of two.
+    shard (dim 0 padded to a multiple of ``shard_size``, the ranks of the shard group), each
+    rounded to a power of two.
 
     Args:
         compute_itemsize: the shards are cast to it after sharding: both copies count.
@@ -149,7 +152,7 @@ def planned_shard_bytes(model: nn.Module, world_size: int, compute_itemsize: int
     """
     total = 0
     for p in model.parameters():
-        rows = -(-p.shape[0] // world_size) if p.dim() else 1
+        rows = -(-p.shape[0] // shard_size) if p.dim() else 1
         numel = rows * (p[0].numel() if p.dim() > 1 else 1)
         itemsize = stored_itemsize if stored_itemsize and p.is_floating_point() else p.element_size()
         total += pow2_ceil(numel * itemsize)
@@ -301,7 +304,11 @@ class NvmeParamSwapper:
         original = unit.group.unshard
 
         def unshard(*args: Any, **kwargs: Any) -> Any:
-            if self.error is None:
+            # hpZ (reshard_after_forward=int): in the backward a unit gathers from the copy its
+            # forward left on the device (over the smaller group), not from the host shard, so
+            # nothing needs to come back from NVMe for it (a torch without the property: read).
+            from_host = not getattr(unit.group, "is_sharded_post_forward", False)
+            if self.error is None and from_host:
                 try:
                     self.ensure_resident(unit)
                     self._prefetch_after(unit)
@@ -314,7 +321,7 @@ class NvmeParamSwapper:
             if self.error is not None:
                 self._fill_missing(unit)
             out = original(*args, **kwargs)
-            unit.gather_pending = unit.group._all_gather_result is not None
+            unit.gather_pending = from_host and unit.group._all_gather_result is not None
             return out
 
         original_wait = unit.group.wait_for_unshard
