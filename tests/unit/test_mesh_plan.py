@@ -1,16 +1,15 @@
 """mics_shard_size / zero_hpz_partition_size: parsed, checked against the launch, and turned into
 FSDP2's mesh shape and reshard_after_forward (hf_zero/distributed/mesh.py). The runs themselves:
-tests/distributed/test_hierarchical.py (4 ranks as 2 nodes x 2)."""
+tests/distributed/test_hierarchical.py (4 ranks as 2 nodes x 2); with offload:
+tests/unit/test_hierarchical_offload_setup.py and tests/distributed/test_hierarchical_offload.py."""
 
 from __future__ import annotations
 
 import pytest
-import torch
 
 from hf_zero.config import load_config
 from hf_zero.config.errors import ZeroConfigError
 from hf_zero.config.no_effect import describe_no_effect
-from hf_zero.distributed.env import DistEnv
 from hf_zero.distributed.mesh import MeshError, plan_mesh
 
 
@@ -80,15 +79,3 @@ def test_a_group_of_one_is_refused():
     with pytest.raises(ZeroConfigError, match="mics_shard_size") as err:
         load_config({"zero_optimization": {"stage": 3, "mics_shard_size": 1}})
     assert "-1" in str(err.value)
-
-
-def test_offload_with_a_hierarchical_layout_is_refused_before_sharding():
-    from hf_zero.engine.stages import FullyShardedStage
-    from hf_zero.precision.policy import PrecisionPolicy
-
-    cfg = load_config({"zero_optimization": {"stage": 3, "mics_shard_size": 2,
-                                             "offload_optimizer": {"device": "cpu"}}})
-    env = DistEnv(rank=0, world_size=4, local_rank=0, device=torch.device("cpu"), backend="gloo")
-    stage = FullyShardedStage(3, cfg.zero_optimization, env, PrecisionPolicy.from_config(cfg), offload=object())
-    with pytest.raises(MeshError, match="mics_shard_size with offload_optimizer or offload_param is not supported"):
-        stage._check_hierarchical(stage.mesh_plan())
