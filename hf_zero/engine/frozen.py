@@ -3,7 +3,8 @@ RLOO, GRPO with ``beta > 0``), distillation teachers, reward models.
 
 DeepSpeed gives such a model an engine without an optimizer: sharded at ZeRO-3 (TRL's
 ``prepare_deepspeed``), replicated otherwise. hf_zero does the same with FSDP2, on the trained
-model's mesh:
+model's mesh (with ``mics_shard_size`` N its replicate x shard mesh: each rank holds 1/N; hpZ's
+secondary partition is left out, there being no backward):
 
 * **Stages 2 and 3**: sharded like a stage-3 model (every block gathered for its forward and freed
   after it), no optimizer, parameters stored in the compute dtype. Every rank's shards come from
