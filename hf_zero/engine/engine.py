@@ -165,6 +165,7 @@ class ZeroEngine:
 
         fp16 gradients are unscaled first; an overflow returns ``inf`` and clips nothing.
         """
+        self._check_gradients_complete()
         if self._unscale_and_check_overflow():
             return torch.tensor(float("inf"))
         norm = self._total_grad_norm(norm_type)
@@ -375,6 +376,11 @@ class ZeroEngine:
                     torch._foreach_mul_(grads, 1.0 / scale)
         return self._overflow
 
+    def _check_gradients_complete(self) -> None:
+        check = getattr(self.stage, "check_gradients_complete", None)  # MiCS's deferred all-reduce
+        if check is not None:
+            check()
+
     def _total_grad_norm(self, norm_type: float = 2.0) -> torch.Tensor:
         owner = self._grad_owner()
         if owner is not None:
@@ -401,6 +407,7 @@ class ZeroEngine:
         if self.optimizer is None:
             raise RuntimeError("this engine has no optimizer: pass optimizer= or add an optimizer section")
         self._last_step_lrs = self.get_lr()
+        self._check_gradients_complete()
         overflow = self._unscale_and_check_overflow()
         self.loss_scaler.update_scale(overflow)
         if overflow:

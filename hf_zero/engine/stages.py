@@ -355,10 +355,46 @@ class FullyShardedStage:
             )
         return optimizer
 
+    @property
+    def defers_replica_all_reduce(self) -> bool:
+        """MiCS: whether the all-reduce across the replicas waits for the accumulation boundary.
+
+        As DeepSpeed's MiCS does: each micro-step reduce-scatters inside the shard group and FSDP2
+        sums the reduced shards (in the fp32 reduce dtype), and only the boundary's micro-step
+        all-reduces them across the replicas, so the traffic that crosses nodes is divided by the
+        accumulation steps. Not with a 16-bit ``communication_data_type`` (the sum would be kept in
+        16 bit) nor with an offloaded optimizer (it takes every micro-step's gradients to the host,
+        so the device does not hold them).
+        """
+        return (self.mesh_plan().hierarchical and self.offload is None
+                and self.precision.reduce_dtype == torch.float32)
+
     def set_gradient_sync(self, enabled: bool) -> None:
         # ZeRO-2/3 reduce-scatter every micro-step so that gradients stay sharded (DeepSpeed does
-        # the same); accumulation then happens in the fp32 gradient shards.
-        return None
+        # the same); accumulation then happens in the fp32 gradient shards. MiCS's all-reduce
+        # across the replicas runs at the boundary only (defers_replica_all_reduce).
+        if self.root is not None and self.defers_replica_all_reduce:
+            self.root.set_requires_all_reduce(enabled, recurse=True)
+
+    def check_gradients_complete(self) -> None:
+        """Before clipping or stepping: no unit may still hold micro-steps' gradients that were
+        never all-reduced across the MiCS replicas (the boundary's backward does that; a boundary
+        micro-step run outside the engine's forward would leave the replicas apart)."""
+        if self.root is None or not self.defers_replica_all_reduce:
+            return
+        from torch.distributed.fsdp import FSDPModule
+
+        for module in self.root.modules():
+            if not isinstance(module, FSDPModule):
+                continue
+            for group in getattr(module._get_fsdp_state(), "_fsdp_param_groups", ()):
+                if getattr(group, "_partial_reduce_output", None) is not None:
+                    raise RuntimeError(
+                        "zero_optimization.mics_shard_size: gradients of this accumulation window were not "
+                        "all-reduced across the replicas (the last micro-step ran outside the engine's forward or "
+                        "forward_context, which tell FSDP2 where the window ends); run every micro-step through "
+                        "engine(...) or `with engine.forward_context():`"
+                    )
 
     def forward_context(self) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext()

@@ -10,7 +10,9 @@ paper's round numbers:
   again for the backward (the root too: hf_zero passes ``reshard_after_forward=True`` explicitly,
   so FSDP2 does not skip the root's), over the hpZ group when ``zero_hpz_partition_size`` is set;
   units below ``stage3_param_persistence_threshold`` stay gathered. With ``mics_shard_size`` the
-  reduce-scatter's output (the shard's gradients) is all-reduced across the replicas. The gradient
+  reduce-scatter's output (the shard's gradients, summed over the micro-steps) is all-reduced across
+  the replicas at the accumulation boundary (every micro-step with an offloaded optimizer or a
+  16-bit reduce dtype). The gradient
   norm reduces one fp32 scalar per trainable tensor over the shard group (DTensor's
   ``full_tensor()`` of torch's ``get_total_norm``).
 * stages 0/1 are DDP: one all-reduce of the trainable gradients per step (none in accumulation
@@ -85,7 +87,8 @@ def _padded_numel(shape: Sequence[int], factor: int) -> int:
 
 def step_collectives(units: Sequence[UnitShapes], *, stage: int, world: int, gas: int, param_bytes: int,
                      reduce_bytes: int = FP32_BYTES, shard: int | None = None, hpz: int = 1,
-                     persistence_threshold: int | None = None, fp16_dynamic: bool = False) -> list[Collective]:
+                     persistence_threshold: int | None = None, fp16_dynamic: bool = False,
+                     offload: bool = False) -> list[Collective]:
     """Every collective of one optimizer step of ``gas`` micro-steps, with its buffer bytes.
 
     Args:
@@ -97,6 +100,7 @@ def step_collectives(units: Sequence[UnitShapes], *, stage: int, world: int, gas
         hpz: ``zero_hpz_partition_size`` (stage 3; 1 or the shard size: off).
         persistence_threshold: ``stage3_param_persistence_threshold`` when the config sets it.
         fp16_dynamic: fp16 with dynamic loss scaling (one overflow flag reduced per step).
+        offload: an offloaded optimizer (MiCS then all-reduces every micro-step, not at the boundary).
     """
     shard = world if shard is None or shard <= 0 else shard
     out: list[Collective] = []
@@ -122,9 +126,10 @@ def step_collectives(units: Sequence[UnitShapes], *, stage: int, world: int, gas
         with_grads = [r for r in reduced if r]
         out.append(Collective("reduce_scatter", "shard", gas * sum(with_grads) * reduce_bytes, gas * len(with_grads),
                               "gradients, every micro-step"))
-        if shard < world:
-            out.append(Collective("all_reduce", "replicate", gas * sum(with_grads) // shard * reduce_bytes,
-                                  gas * len(with_grads), "the shard's gradients across the replicas (MiCS)"))
+        if shard < world:  # at the boundary only, unless offloaded or 16-bit (stages.defers_replica_all_reduce)
+            times = 1 if reduce_bytes == FP32_BYTES and not offload else gas
+            out.append(Collective("all_reduce", "replicate", times * sum(with_grads) // shard * reduce_bytes,
+                                  times * len(with_grads), "the shard's gradients across the replicas (MiCS)"))
         out.append(Collective("all_reduce", "shard", len(trainable) * FP32_BYTES, len(trainable),
                               "the gradient norm, one scalar per trainable tensor"))
     else:

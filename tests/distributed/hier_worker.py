@@ -194,6 +194,39 @@ def gathered_parameters_on_the_2d_mesh() -> dict:
     return {"read_whole": read, "edited": torch.equal(after, want * 2.0)}
 
 
+def boundary_outside_the_engine() -> dict:
+    """MiCS defers the all-reduce across the replicas to the accumulation boundary, which the
+    engine's forward tells FSDP2. A window whose last micro-step skipped the engine's forward
+    (calling the sharded module itself) would leave the replicas apart: the step refuses it. The
+    same window through the engine steps, and the replicas then hold equal weights."""
+    import hf_zero
+    from _models import make_data, tiny_model
+
+    rank = dist.get_rank()
+    data = make_data(1, 2, dist.get_world_size(), 2, 16)
+    out = {}
+    for how in ("module", "engine"):
+        engine = hf_zero.initialize(tiny_model("llama"), Case(stage=3, dtype="fp32", gas=2, model="llama", mics=2,
+                                                              scheduler=False).zero_config())
+        first = data[0, 0, rank]
+        engine.backward(engine(input_ids=first, labels=first).loss)
+        engine.step()
+        last = data[0, 1, rank]
+        call = engine.module if how == "module" else engine
+        engine.backward(call(input_ids=last, labels=last).loss)
+        try:
+            engine.step()
+            out[how] = "stepped"
+        except RuntimeError as exc:
+            out[how] = str(exc)
+        if how == "engine":
+            weight = engine.module.model.layers[0].mlp.down_proj.weight.to_local().detach().clone()
+            other = [None] * dist.get_world_size()
+            dist.all_gather_object(other, weight)
+            out["replicas_equal"] = torch.equal(other[rank], other[(rank + 2) % 4])
+    return out
+
+
 def load_elsewhere(ckpt: str, out_path: str) -> None:
     """On another world size (a flat mesh): load a checkpoint the 2 x 2 MiCS run saved."""
     import hf_zero
@@ -253,6 +286,9 @@ def main() -> None:
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, gathered_parameters_on_the_2d_mesh())
     results["gathered"] = everyone
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, boundary_outside_the_engine())
+    results["boundary"] = everyone
     save_results_and_exit(results, out_path)
 
 
