@@ -12,6 +12,7 @@ __all__ = [
     "broadcast_object",
     "collective_device",
     "on_mesh_device",
+    "dtensor_total_norm",
 ]
 
 
@@ -110,3 +111,36 @@ def on_mesh_device(value):
     local = value.to_local().to(mesh_type)
     return DTensor.from_local(local, value.device_mesh, value.placements, run_check=False,
                               shape=value.shape, stride=value.stride())
+
+
+def dtensor_total_norm(grads, norm_type: float = 2.0) -> torch.Tensor | None:
+    """The norm of FSDP2-sharded gradients with one collective, or None when ``grads`` are not all
+    DTensors of one mesh sharded on one dimension (the caller then uses torch's
+    ``get_total_norm``, which reduces one scalar per tensor: hundreds of latency-bound collectives
+    per step on a real model).
+
+    The same arithmetic as torch's on DTensors, so the same number: per-tensor norms of the local
+    shards, their p-th powers summed over the shard group in one all-reduce of a vector, then the
+    norm of the per-tensor norms (``offload/grad_norm.sharded_total_norm``, which the offloaded
+    optimizer uses too). Replicated mesh dimensions (MiCS's replicas, which hold the same shards
+    after FSDP2's all-reduce) take no part. Returns the norm on the local shards' device.
+
+    >>> norm = dtensor_total_norm([p.grad for p in model.parameters()])  # doctest: +SKIP
+    """
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    from hf_zero.offload.grad_norm import sharded_total_norm
+
+    if not grads or not all(isinstance(g, DTensor) for g in grads):
+        return None
+    mesh, placements = grads[0].device_mesh, grads[0].placements
+    if any(g.device_mesh != mesh or g.placements != placements for g in grads):
+        return None
+    sharded = [i for i, p in enumerate(placements) if isinstance(p, Shard)]
+    if len(sharded) != 1 or not all(isinstance(p, (Shard, Replicate)) for p in placements):
+        return None
+    group = mesh.get_group(sharded[0])
+    locals_ = [g.to_local() for g in grads]
+    # Offloaded shards' gradients live in host memory: the reduction runs where the group reduces.
+    norm = sharded_total_norm(locals_, float(norm_type), collective_device(group), group=group)
+    return norm.to(locals_[0].device)

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from hf_zero.config.schema import ZeroConfig
-from hf_zero.distributed.collectives import all_reduce_flag, on_mesh_device
+from hf_zero.distributed.collectives import all_reduce_flag, dtensor_total_norm, on_mesh_device
 from hf_zero.distributed.env import DistEnv
 from hf_zero.distributed.teardown import close_at_exit
 from hf_zero.engine.optimizer_recipe import OptimizerRecipe
@@ -388,6 +388,9 @@ class ZeroEngine:
         grads = [p.grad for p in self._trainable_params()]
         if not grads:
             return torch.tensor(0.0)
+        norm = dtensor_total_norm(grads, norm_type)  # FSDP2's shards: one collective
+        if norm is not None:
+            return norm.to(grads[0].device)
         norm = torch.nn.utils.get_total_norm(grads, norm_type=norm_type, foreach=True)
         if hasattr(norm, "full_tensor"):
             # Sharded gradients give a partial norm per rank; full_tensor() reduces it over ranks

@@ -13,8 +13,8 @@ paper's round numbers:
   reduce-scatter's output (the shard's gradients, summed over the micro-steps) is all-reduced across
   the replicas at the accumulation boundary (every micro-step with an offloaded optimizer or a
   16-bit reduce dtype). The gradient
-  norm reduces one fp32 scalar per trainable tensor over the shard group (DTensor's
-  ``full_tensor()`` of torch's ``get_total_norm``).
+  norm sums one fp32 per trainable tensor over the shard group in one all-reduce
+  (``distributed.collectives.dtensor_total_norm``).
 * stages 0/1 are DDP: one all-reduce of the trainable gradients per step (none in accumulation
   micro-steps); stage 1's ``ZeroRedundancyOptimizer`` then broadcasts the updated fp32 parameters
   from their owners.
@@ -70,7 +70,9 @@ class Collective:
     ranks holding the same shard, one per shard group) or ``hpz`` (``zero_hpz_partition_size``)."""
     nbytes: int
     """Buffer bytes summed over the step's calls (all-gather output, reduce-scatter input)."""
-    calls: int
+    calls: int | None
+    """Collectives per step; None where torch decides (DDP's buckets, ZeroRedundancyOptimizer's
+    broadcasts)."""
     what: str
 
 
@@ -109,9 +111,10 @@ def step_collectives(units: Sequence[UnitShapes], *, stage: int, world: int, gas
         return out
     if stage in (0, 1):
         grads = sum(_padded_numel(s, 1) for s, _ in trainable)
-        out.append(Collective("all_reduce", "world", grads * reduce_bytes, 1, "gradients (DDP, once per step)"))
+        out.append(Collective("all_reduce", "world", grads * reduce_bytes, None,
+                              "gradients (DDP's buckets, once per step)"))
         if stage == 1:
-            out.append(Collective("broadcast", "world", grads * FP32_BYTES, len(trainable),
+            out.append(Collective("broadcast", "world", grads * FP32_BYTES, None,
                                   "updated fp32 parameters from their owners (ZeroRedundancyOptimizer)"))
     elif stage in (2, 3):
         gathered = [sum(_padded_numel(s, shard) for s in u.shapes) for u in units]
@@ -130,8 +133,8 @@ def step_collectives(units: Sequence[UnitShapes], *, stage: int, world: int, gas
             times = 1 if reduce_bytes == FP32_BYTES and not offload else gas
             out.append(Collective("all_reduce", "replicate", times * sum(with_grads) // shard * reduce_bytes,
                                   times * len(with_grads), "the shard's gradients across the replicas (MiCS)"))
-        out.append(Collective("all_reduce", "shard", len(trainable) * FP32_BYTES, len(trainable),
-                              "the gradient norm, one scalar per trainable tensor"))
+        out.append(Collective("all_reduce", "shard", len(trainable) * FP32_BYTES, 1,
+                              "the gradient norm: each trainable tensor's p-th power, one vector"))
     else:
         raise ValueError(f"stage must be 0, 1, 2 or 3, got {stage!r}")
     if fp16_dynamic:

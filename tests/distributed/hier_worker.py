@@ -36,6 +36,7 @@ _OWN = ("parity_worker.py", "hier_worker.py")
 """The test's own reductions (the mean loss it reports) are not the engine's traffic."""
 _depth = threading.local()
 traffic: dict[str, int] = {}
+calls: dict[str, int] = {}
 recording = {"on": False}
 
 
@@ -53,6 +54,7 @@ def _funcol_ranks(group, tag: str = "") -> list[int]:
 def _record(op: str, ranks: list[int], nbytes: int) -> None:
     key = f"{op}|{','.join(str(r) for r in sorted(ranks))}"
     traffic[key] = traffic.get(key, 0) + nbytes
+    calls[key] = calls.get(key, 0) + 1
 
 
 def _recorded(name, fn, functional: bool = False):
@@ -270,6 +272,7 @@ def main() -> None:
         engine.step = step
         count_ddp(engine)
         traffic.clear()
+        calls.clear()
         recording["on"] = True
         return engine
 
@@ -282,6 +285,9 @@ def main() -> None:
         everyone = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, dict(traffic))
         results[case.name]["traffic"] = everyone
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, dict(calls))
+        results[case.name]["calls"] = everyone
     results["checkpoints"] = checkpoints_across_layouts(os.path.dirname(out_path))
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, gathered_parameters_on_the_2d_mesh())

@@ -198,10 +198,14 @@ def test_the_communication_plan_is_the_measured_bytes_per_group(case: Case, runs
                             param_bytes=2 if case.dtype in ("bf16", "fp16") else 4, shard=shard, hpz=case.hpz)
     for rank in range(WORLD):
         want: dict[str, int] = {}
+        count: dict[str, int] = {}
         for c in plan:
             key = f"{c.op}|{','.join(map(str, group_ranks(c.group, rank, WORLD, shard, case.hpz)))}"
             want[key] = want.get(key, 0) + c.nbytes * case.steps
+            count[key] = count.get(key, 0) + (c.calls or 0) * case.steps
         assert runs[case.name]["traffic"][rank] == want, (case.name, rank)
+        if case.stage >= 2:  # one collective per unit (FSDP2's foreach), one for the norm; DDP buckets vary
+            assert runs[case.name]["calls"][rank] == count, (case.name, rank)
 
 
 def test_mics_all_reduces_at_the_boundary_the_engine_marks(runs):
