@@ -18,8 +18,6 @@ against the flat run.
 from __future__ import annotations
 
 import json
-import os
-import socket
 import sys
 from pathlib import Path
 
@@ -29,9 +27,9 @@ from safetensors.torch import load_file
 
 from _run import FINETUNE, REPO, logged_grad_norms, logged_losses, write_config, zero_config
 
-if str(REPO / "tests" / "distributed") not in sys.path:  # run_nodes: test_hierarchical.py's two-node launch
+if str(REPO / "tests" / "distributed") not in sys.path:  # hf_zero_nodes: the two-node launch
     sys.path.append(str(REPO / "tests" / "distributed"))
-from _launch import run_nodes  # noqa: E402
+from _launch import hf_zero_nodes  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -63,12 +61,6 @@ DESCRIBED = {
 }
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _config(root: Path, name: str, stage: int, keys: dict) -> Path:
     cfg = zero_config(stage)
     cfg["zero_optimization"] = {**cfg["zero_optimization"], **keys}
@@ -82,14 +74,8 @@ def runs(tmp_path_factory) -> Path:
     for name, (stage, keys) in RUNS.items():
         several += ["+++", name, FINETUNE, "--zero_config", str(_config(root, name, stage, keys)),
                     "--output_dir", str(root / name), *COMMON]
-    port = str(_free_port())
-    env = {**os.environ, "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    lines = [[sys.executable, "-m", "hf_zero.cli.main", "run", "--nnodes", str(NODES), "--node_rank", str(node),
-              "--master_addr", "127.0.0.1", "--master_port", port, "--nproc_per_node", str(WORLD // NODES),
-              RUN_SEVERAL, str(root / "logs"), *several] for node in range(NODES)]
-    for node, (code, out, err) in enumerate(run_nodes(lines, [env] * NODES, REPO, timeout=400)):
-        assert code == 0, f"node {node} failed ({code}):\n{out[-3000:]}\n{err[-6000:]}"
+    hf_zero_nodes(RUN_SEVERAL, str(root / "logs"), *several, nodes=NODES, nproc_per_node=WORLD // NODES, strict=False,
+                  timeout=400)
     return root
 
 

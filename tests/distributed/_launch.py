@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -37,3 +38,22 @@ def run_nodes(lines: list[list[str]], envs: list[dict], cwd: str | Path, timeout
                 n.kill()
                 n.communicate()
     return [(n.returncode, out, err) for n, (out, err) in zip(nodes, outs)]
+
+
+def hf_zero_nodes(script: str, *args: str, nodes: int = 2, nproc_per_node: int = 2, strict: bool = True,
+                  timeout: float = 600) -> None:
+    """``hf-zero run --nnodes N --node_rank R --master_addr 127.0.0.1 ... script args`` for every
+    "node" on localhost at once (ranks numbered node by node, as on a cluster); raise with the
+    output of a node that failed. ``strict``: HF_ZERO_STRICT_COLLECTIVES=1 in the workers."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    if strict:
+        env["HF_ZERO_STRICT_COLLECTIVES"] = "1"
+    lines = [[sys.executable, "-m", "hf_zero.cli.main", "run", "--nnodes", str(nodes), "--node_rank", str(node),
+              "--master_addr", "127.0.0.1", "--master_port", port, "--nproc_per_node", str(nproc_per_node),
+              str(script), *args] for node in range(nodes)]
+    for node, (code, out, err) in enumerate(run_nodes(lines, [env] * nodes, REPO, timeout=timeout)):
+        if code != 0:
+            raise AssertionError(f"node {node} failed ({code}):\n{out[-3000:]}\n{err[-6000:]}")

@@ -12,9 +12,6 @@ bookkeeping.
 from __future__ import annotations
 
 import json
-import os
-import socket
-import sys
 from pathlib import Path
 
 import pytest
@@ -22,7 +19,7 @@ import torch
 
 from _cases import Case
 from _drift_bound import assert_within
-from _launch import run_nodes, torchrun
+from _launch import hf_zero_nodes, torchrun
 from _reference import reference_run
 
 pytestmark = pytest.mark.slow
@@ -41,24 +38,11 @@ CASES = [
 SHARDED_EVENLY = CASES[:3]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("hier")
     (tmp / "cases.json").write_text(json.dumps([c.to_dict() for c in CASES]))
-    port = str(_free_port())
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_ZERO_STRICT_COLLECTIVES": "1",
-           "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    lines = [[sys.executable, "-m", "hf_zero.cli.main", "run", "--nnodes", "2", "--node_rank", str(node),
-              "--master_addr", "127.0.0.1", "--master_port", port, "--nproc_per_node", "2",
-              "tests/distributed/hier_worker.py", str(tmp / "cases.json"), str(tmp / "out.pt")] for node in (0, 1)]
-    for code, out, err in run_nodes(lines, [env, env], REPO):
-        assert code == 0, f"node failed ({code}):\n{out[-3000:]}\n{err[-6000:]}"
+    hf_zero_nodes("tests/distributed/hier_worker.py", str(tmp / "cases.json"), str(tmp / "out.pt"))
     return torch.load(tmp / "out.pt", weights_only=False)
 
 

@@ -14,15 +14,13 @@ from __future__ import annotations
 
 import json
 import os
-import socket
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from _drift_bound import assert_within
-from _launch import run_nodes
+from _launch import hf_zero_nodes
 from _models import tiny_model
 from _reference import reference_run
 from hier_offload_worker import ALPHA, HierOffloadCase as C
@@ -51,12 +49,6 @@ FROZEN = [
 ]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("hier_offload")
@@ -64,15 +56,7 @@ def runs(tmp_path_factory):
     nvme.mkdir()
     spec = {"cases": [c.to_dict() for c in [*CASES, PADDED]], "frozen": [c.to_dict() for c in FROZEN]}
     (tmp / "cases.json").write_text(json.dumps(spec))
-    port = str(_free_port())
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_ZERO_STRICT_COLLECTIVES": "1",
-           "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    lines = [[sys.executable, "-m", "hf_zero.cli.main", "run", "--nnodes", "2", "--node_rank", str(node),
-              "--master_addr", "127.0.0.1", "--master_port", port, "--nproc_per_node", "2",
-              "tests/distributed/hier_offload_worker.py", str(tmp / "cases.json"), str(tmp / "out.pt"), str(nvme)]
-             for node in (0, 1)]
-    for code, out, err in run_nodes(lines, [env, env], REPO):
-        assert code == 0, f"node failed ({code}):\n{out[-3000:]}\n{err[-6000:]}"
+    hf_zero_nodes("tests/distributed/hier_offload_worker.py", str(tmp / "cases.json"), str(tmp / "out.pt"), str(nvme))
     result = torch.load(tmp / "out.pt", weights_only=False)
     result["_leftover"] = sorted(os.listdir(nvme))
     return result
