@@ -50,3 +50,19 @@ def zero_config(stage: int, **extra) -> dict:
     from hf_zero.config.auto import trainer_auto_config
 
     return {**trainer_auto_config({"stage": stage, "reduce_bucket_size": "auto"}, optimizer=False), **extra}
+
+
+def assert_same_run(got: Path, want: Path, steps: int) -> None:
+    """Two Trainer runs trained alike: ``steps`` logged losses (rtol 2e-4) and gradient norms (2e-3)
+    each, and the same saved weights (``model.safetensors``: dtypes, rtol 1e-4 / atol 2e-5)."""
+    import torch
+    from safetensors.torch import load_file
+
+    assert len(logged_losses(got)) == len(logged_losses(want)) == steps
+    torch.testing.assert_close(logged_losses(got), logged_losses(want), rtol=2e-4, atol=0)
+    torch.testing.assert_close(logged_grad_norms(got), logged_grad_norms(want), rtol=2e-3, atol=0)
+    got_w, want_w = load_file(Path(got) / "model.safetensors"), load_file(Path(want) / "model.safetensors")
+    assert got_w.keys() == want_w.keys()
+    for name, value in want_w.items():
+        assert got_w[name].dtype == value.dtype, name
+        torch.testing.assert_close(got_w[name], value, rtol=1e-4, atol=2e-5, msg=lambda m, n=name: f"{n}: {m}")
