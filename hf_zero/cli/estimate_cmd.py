@@ -251,7 +251,7 @@ def _plan(args: argparse.Namespace, est) -> tuple[str, list[dict]]:
     for k in counts:
         best, why = recommend(table[k])
         rows.extend({**r.as_dict(), "recommended": r is best, **({"why": why} if r is best else {})} for r in table[k])
-    return render_plan(work, args.num_nodes, args.num_gpus, links, full_sweep=args.plan), rows
+    return render_plan(work, table, args.num_gpus, links), rows
 
 
 if __name__ == "__main__":

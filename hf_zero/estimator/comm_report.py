@@ -19,8 +19,9 @@ per step that would make it compute-bound.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from fractions import Fraction
 
 from hf_zero.estimator.comm_plan import (
@@ -36,7 +37,8 @@ from hf_zero.estimator.model_spec import ModelSpec, lora_target_layers
 from hf_zero.estimator.units import format_bytes
 
 __all__ = ["DEFAULT_COMPUTE_TFLOPS", "DEFAULT_INTER_NODE_GBPS", "DEFAULT_INTRA_NODE_GBPS", "NODE_SWEEP", "Layout",
-           "Links", "PlanRow", "plan_layouts", "plan_units", "recommend", "render_plan", "sweep"]
+           "Links", "PlanRow", "Workload", "plan_layouts", "plan_row", "plan_units", "recommend", "render_plan",
+           "sweep", "workload"]
 
 DEFAULT_INTRA_NODE_GBPS = 450.0
 """GB/s one GPU sends to the others of its node: H100 SXM's NVLink 4 through NVSwitch (18 links x 25 GB/s
@@ -242,34 +244,23 @@ def _numel(shape: Sequence[int]) -> int:
     return n
 
 
-def render_plan(w: Workload, nodes: int, gpus_per_node: int, links: Links, full_sweep: bool) -> str:
-    """The plan as text: the given node count's layouts, the recommendation, and the sweep."""
+def render_plan(w: Workload, table: dict[int, list[PlanRow]], gpus_per_node: int, links: Links) -> str:
+    """The plan as text: per node count of ``table`` (:func:`sweep`), its layouts and the recommendation."""
     lines = [f"Communication per optimizer step ({w.tokens_per_gpu} tokens per GPU, {w.gas} micro-step(s); "
              f"links {links.intra / 1e9:g} GB/s in a node, {links.inter / 1e9:g} GB/s across nodes per GPU; "
              f"{links.flops / 1e12:g} TFLOP/s per GPU)",
              "Bytes each GPU sends (two-level collectives); time is a model: step = max(compute, comm), docs/estimator.md"]
-    node_counts = sorted(set(NODE_SWEEP) | {nodes}) if full_sweep else [nodes]
-    table = sweep(w, gpus_per_node, links, node_counts)
-    header = f"{'nodes':>5} {'layout':<24} {'in node':>10} {'across':>10} {'states/GPU':>10} {'comm ms':>8} {'step ms':>8}  bound"
+    node_counts = sorted(table)
+    header = f"{'nodes':>5} {'layout':<28} {'in node':>10} {'across':>10} {'states/GPU':>10} {'comm ms':>8} {'step ms':>8}  bound"
     for k in node_counts:
         lines.append("")
         lines.append(f"{k} node(s) x {gpus_per_node} GPUs:")
         lines.append(header)
         for r in table[k]:
-            lines.append(f"{k:>5} {r.layout.label():<24} {format_bytes(r.intra_bytes):>10} {format_bytes(r.inter_bytes):>10} "
+            lines.append(f"{k:>5} {r.layout.label():<28} {format_bytes(r.intra_bytes):>10} {format_bytes(r.inter_bytes):>10} "
                          f"{format_bytes(r.state_bytes):>10} {r.comm_s * 1e3:>8.1f} {r.step_s * 1e3:>8.1f}  "
                          f"{'compute' if r.compute_bound else 'comm'}")
         best, why = recommend(table[k])
-        lines.append(f"  recommended: {why}: \"zero_optimization\": {_json(best.layout.config())}")
+        lines.append(f"  recommended: {why}: \"zero_optimization\": {json.dumps(best.layout.config())}")
     lines.extend(f"note: {n}" for n in w.notes)
     return "\n".join(lines)
-
-
-def _json(cfg: dict) -> str:
-    import json
-
-    return json.dumps(cfg)
-
-
-def with_links(links: Links, **given: float | None) -> Links:
-    return replace(links, **{k: v for k, v in given.items() if v is not None})
