@@ -5,8 +5,9 @@ hf_zero's engine API.
 
 One launch of two ``hf-zero run --nnodes 2`` processes on localhost (ranks 0-1 are node 0, 2-3
 node 1) runs, one after the other in each rank's process (scripts/run_several.py), flat ZeRO-3
-(the reference), ZeRO-3 with ``mics_shard_size: 2``, ZeRO-3 with ``zero_hpz_partition_size: 2`` and
-ZeRO-2 with ``mics_shard_size: 2``: 4 optimizer steps of gradient_accumulation_steps 2, the same
+(the reference), ZeRO-3 with ``zero_hpz_partition_size: 2`` and ZeRO-2 with ``mics_shard_size: 2``,
+and Alpaca's train.py (a script's own ``trainer.model.state_dict()`` save) flat and with
+``mics_shard_size: 2`` at stage 3: 4 optimizer steps of gradient_accumulation_steps 2, the same
 seed and global batch (split over the 4 ranks, so the MiCS replicas train on different samples
 and their gradients must be all-reduced across the nodes). MiCS's all-reduce across the replicas
 runs at the accumulation boundary only, which the engine learns from the Trainer's training_step
@@ -46,15 +47,19 @@ INITIAL = REPO / "assets" / "tiny-qwen2" / "model.safetensors"  # finetune.py's 
 # name: (stage, zero_optimization keys), the flat run first (the reference)
 RUNS = {
     "flat3": (3, {}),
-    "mics3": (3, {"mics_shard_size": 2}),
     "hpz3": (3, {"zero_hpz_partition_size": 2}),
     "mics2": (2, {"mics_shard_size": 2}),
 }
+# MiCS at stage 3 runs Alpaca's train.py (scripts/alpaca_style_full.py), whose save is
+# ``trainer.model.state_dict()`` on every rank and ``trainer._save`` on rank 0, against the same script
+# flat: the training and a script's state_dict() on the 2-D mesh in one pair of runs.
+ALPACA = "integration_tests/scripts/alpaca_style_full.py"
+ALPACA_RUNS = {"alpaca_flat3": (3, {}), "alpaca_mics3": (3, {"mics_shard_size": 2})}
 # What rank 0's start-up log says each key became (hf_zero/distributed/mesh.py MeshPlan.describe).
 _MICS = ("zero_optimization.mics_shard_size=2: parameters, gradients and optimizer state sharded inside "
          "2 groups of 2 ranks, replicated across them (FSDP2 over a 2 x 2 replicate x shard mesh)")
 DESCRIBED = {
-    "mics3": _MICS,
+    "alpaca_mics3": _MICS,
     "hpz3": ("zero_optimization.zero_hpz_partition_size=2: after the forward, parameters stay sharded over "
              "groups of 2 ranks"),
     "mics2": _MICS,
@@ -74,6 +79,9 @@ def runs(tmp_path_factory) -> Path:
     for name, (stage, keys) in RUNS.items():
         several += ["+++", name, FINETUNE, "--zero_config", str(_config(root, name, stage, keys)),
                     "--output_dir", str(root / name), *COMMON]
+    for name, (stage, keys) in ALPACA_RUNS.items():
+        several += ["+++", name, ALPACA, "--deepspeed", str(_config(root, name, stage, keys)),  # the script's own flag
+                    "--output_dir", str(root / name), *COMMON]
     hf_zero_nodes(RUN_SEVERAL, str(root / "logs"), *several, nodes=NODES, nproc_per_node=WORLD // NODES, strict=False,
                   timeout=400)
     return root
@@ -83,13 +91,14 @@ def _weights(folder: Path) -> dict[str, torch.Tensor]:
     return load_file(folder / "model.safetensors")
 
 
-@pytest.mark.parametrize("name", ["mics3", "hpz3", "mics2"])
+@pytest.mark.parametrize("name", ["hpz3", "mics2", "alpaca_mics3"])
 def test_same_training_as_flat_zero3(runs, name):
-    """Same logged losses and gradient norms at every step, same saved weights as flat ZeRO-3: the
-    shards inside each node and the all-reduce across the nodes make up the whole global batch's
-    gradient, at the boundary of every accumulation window."""
-    assert len(logged_grad_norms(runs / "flat3")) == STEPS
-    assert_same_run(runs / name, runs / "flat3", STEPS)
+    """Same logged losses and gradient norms at every step, same saved weights as flat ZeRO-3 (of
+    the same script): the shards inside each node and the all-reduce across the nodes make up the
+    whole global batch's gradient, at the boundary of every accumulation window."""
+    reference = "alpaca_flat3" if name.startswith("alpaca") else "flat3"
+    assert len(logged_grad_norms(runs / reference)) == STEPS
+    assert_same_run(runs / name, runs / reference, STEPS)
 
 def test_weights_moved(runs):
     """The runs trained: every saved tensor of the reference differs from the loaded model's (equal
@@ -103,7 +112,7 @@ def test_weights_moved(runs):
 def test_global_batch_split_over_the_four_ranks(runs):
     """Every run trained on 4 ranks with 1 sample each per micro-step (the MiCS replicas see
     different samples, so equal results need the all-reduce across them), GAS micro-steps a step."""
-    for name, (stage, _) in RUNS.items():
+    for name, (stage, _) in {**RUNS, **ALPACA_RUNS}.items():
         state = json.loads((runs / name / "trainer_state.json").read_text())
         assert state["train_batch_size"] == GLOBAL_BATCH // WORLD == 1, name
         assert state["global_step"] == STEPS, name
@@ -118,3 +127,16 @@ def test_startup_log_says_what_each_key_became(runs):
     assert "mics_shard_size" not in (runs / "logs" / "hpz3.rank0.log").read_text()
     flat = (runs / "logs" / "flat3.rank0.log").read_text()
     assert "mics_shard_size" not in flat and "zero_hpz_partition_size" not in flat
+
+
+def test_a_scripts_state_dict_is_whole_on_the_2d_mesh(runs):
+    """``trainer.model.state_dict()`` from a script (Alpaca's save) under MiCS: rank 0 wrote whole
+    tensors (the hook gathers each (Replicate, Shard) entry), not one shard group's slices; their
+    values are test_same_training_as_flat_zero3's."""
+    from transformers import AutoModelForCausalLM
+
+    want = {k: v.shape for k, v in AutoModelForCausalLM.from_pretrained(INITIAL.parent).state_dict().items()}
+    got = _weights(runs / "alpaca_mics3")
+    assert got.keys() <= want.keys() and len(got) >= len(want) - 1  # a tied head may be written once
+    for key, value in got.items():
+        assert value.shape == want[key], key
