@@ -382,12 +382,10 @@ class FullyShardedStage:
         micro-step run outside the engine's forward would leave the replicas apart)."""
         if self.root is None or not self.defers_replica_all_reduce:
             return
-        from torch.distributed.fsdp import FSDPModule
+        from hf_zero.distributed.fsdp_internals import param_groups
 
         for module in self.root.modules():
-            if not isinstance(module, FSDPModule):
-                continue
-            for group in getattr(module._get_fsdp_state(), "_fsdp_param_groups", ()):
+            for group in param_groups(module):
                 if getattr(group, "_partial_reduce_output", None) is not None:
                     raise RuntimeError(
                         "zero_optimization.mics_shard_size: gradients of this accumulation window were not "
