@@ -23,6 +23,19 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().float().cpu().clone()
 
 
+def logits_then_a_policy_step(engine, ref, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The frozen reference's logits on this rank's batch, then one training step of the policy
+    (so that a later sync mixes two different models): ``(ids, logits)``."""
+    g = torch.Generator().manual_seed(3 + rank)
+    ids = torch.randint(0, VOCAB, (2, 12), generator=g)
+    with torch.no_grad():
+        logits = ref(input_ids=ids).logits.float()
+    loss = engine(input_ids=ids, labels=ids).loss
+    engine.backward(loss)
+    engine.step()
+    return ids, logits
+
+
 def _local_bytes(model) -> int:
     return sum((p.to_local() if hasattr(p, "to_local") else p).untyped_storage().nbytes() for p in model.parameters())
 
@@ -45,14 +58,7 @@ def run_stage(stage: int, dtype: str) -> dict:
     else:
         ref = tiny_model("llama", seed=2 if rank == 0 else 5)
     ref = hf_zero.prepare_frozen_model(ref, cfg)
-    g = torch.Generator().manual_seed(3 + rank)
-    ids = torch.randint(0, VOCAB, (2, 12), generator=g)
-    with torch.no_grad():
-        logits = ref(input_ids=ids).logits.float()
-    # One training step of the policy, so that the sync mixes two different models.
-    loss = engine(input_ids=ids, labels=ids).loss
-    engine.backward(loss)
-    engine.step()
+    ids, logits = logits_then_a_policy_step(engine, ref, rank)
     policy = engine.module.module if hasattr(engine.module, "module") else engine.module
     before = {"ref": [_full(p) for p in ref.parameters()], "policy": [_full(p) for p in policy.parameters()]}
     # TRL's SyncRefModelCallback._sync_target_model, as TRL writes it.

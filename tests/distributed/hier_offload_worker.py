@@ -26,6 +26,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from _cases import Case  # noqa: E402
 from _models import VOCAB, make_data, tiny_model  # noqa: E402
 from _worker_io import save_results_and_exit  # noqa: E402
+from frozen_worker import logits_then_a_policy_step  # noqa: E402
 from offload_worker import OffloadCase, full_state, train  # noqa: E402
 
 ALPHA = 0.25  # TR-DPO's sync weight in the frozen cases
@@ -169,13 +170,7 @@ def run_frozen(case: HierOffloadCase, nvme_dir: str) -> dict:
     else:
         ref = tiny_model(case.model, seed=2 if rank == 0 else 5)  # other weights than rank 0's
     ref = hf_zero.prepare_frozen_model(ref, cfg)
-    g = torch.Generator().manual_seed(3 + rank)
-    ids = torch.randint(0, VOCAB, (2, 12), generator=g)
-    with torch.no_grad():
-        logits = ref(input_ids=ids).logits.float()
-    loss = engine(input_ids=ids, labels=ids).loss
-    engine.backward(loss)
-    engine.step()
+    ids, logits = logits_then_a_policy_step(engine, ref, rank)
     with torch.no_grad():
         ref(input_ids=ids)  # a second forward: the parameters must be the shards again after it
     policy = engine.module
