@@ -20,7 +20,7 @@ import torch
 from _cases import Case
 from _drift_bound import assert_within
 from _launch import hf_zero_nodes, torchrun
-from _reference import reference_run
+from _reference import TOLERANCE, reference_run, update_deviation
 
 pytestmark = pytest.mark.slow
 
@@ -54,16 +54,6 @@ def _traffic(run, rank: int) -> dict[tuple[str, str], int]:
     return out
 
 
-# (loss rtol, grad-norm rtol, weight deviation relative to the update size): test_stage_parity's
-TOLERANCE = {"fp32": (1e-5, 1e-4, 1e-4), "bf16": (2e-3, 5e-2, 5e-2)}
-
-
-def _update_deviation(got: dict, ref: dict) -> float:
-    num = sum(float(((got[k] - ref["final_state"][k]) ** 2).sum()) for k in ref["final_state"])
-    den = sum(float(((ref["final_state"][k] - ref["initial_state"][k]) ** 2).sum()) for k in ref["final_state"])
-    return (num / den) ** 0.5
-
-
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
 def test_matches_single_process_reference(case: Case, runs):
     got = runs[case.name]
@@ -72,7 +62,7 @@ def test_matches_single_process_reference(case: Case, runs):
     torch.testing.assert_close(got["losses"], ref["losses"], rtol=loss_rtol, atol=0)
     torch.testing.assert_close(got["grad_norms"], ref["grad_norms"], rtol=norm_rtol, atol=0)
     assert set(got["final_state"]) == set(ref["final_state"])
-    assert _update_deviation(got["final_state"], ref) < weight_tol
+    assert update_deviation(got["final_state"], ref) < weight_tol
     if case.dtype == "fp32":  # entry by entry, within what reduction order explains (_drift_bound.py)
         for name, tensor in ref["final_state"].items():
             assert_within(got["final_state"][name], tensor, ref["drift"].get(name, 0.0), name, case.steps)

@@ -9,7 +9,6 @@ averaging over ranks), which the loss alone would not show.
 from __future__ import annotations
 
 import json
-import math
 
 import pytest
 import torch
@@ -17,14 +16,12 @@ import torch
 from _cases import Case, parity_cases
 from _drift_bound import assert_within
 from _launch import torchrun
-from _reference import reference_run
+from _reference import TOLERANCE, reference_run, update_deviation
 
 pytestmark = pytest.mark.slow
 
 CASES = parity_cases()
 WORLD = 2
-# (loss rtol, grad-norm rtol, weight deviation relative to the update size)
-TOLERANCE = {"fp32": (1e-5, 1e-4, 1e-4), "bf16": (2e-3, 5e-2, 5e-2), "fp16": (1e-3, 2e-2, 2e-2)}
 
 
 @pytest.fixture(scope="module")
@@ -33,13 +30,6 @@ def engine_runs(tmp_path_factory):
     (tmp / "cases.json").write_text(json.dumps([c.to_dict() for c in CASES]))
     torchrun("tests/distributed/parity_worker.py", str(tmp / "cases.json"), str(tmp / "out.pt"), nproc=WORLD)
     return torch.load(tmp / "out.pt", weights_only=False)
-
-
-def _update_deviation(engine_state, ref):
-    """|w_engine - w_ref| / |w_ref - w_initial| over all weights."""
-    num = sum(float(((engine_state[k] - ref["final_state"][k]) ** 2).sum()) for k in ref["final_state"])
-    den = sum(float(((ref["final_state"][k] - ref["initial_state"][k]) ** 2).sum()) for k in ref["final_state"])
-    return math.sqrt(num) / math.sqrt(den)
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
@@ -52,7 +42,7 @@ def test_matches_single_process_reference(case: Case, engine_runs):
     torch.testing.assert_close(got["grad_norms"], ref["grad_norms"], rtol=norm_rtol, atol=0)
     torch.testing.assert_close(got["lrs"], ref["lrs"], rtol=1e-12, atol=0)
     assert set(got["final_state"]) == set(ref["final_state"])
-    assert _update_deviation(got["final_state"], ref) < weight_tol
+    assert update_deviation(got["final_state"], ref) < weight_tol
     if case.dtype == "fp32":  # entry by entry, within what reduction order explains (_drift_bound.py)
         for name, tensor in ref["final_state"].items():
             assert_within(got["final_state"][name], tensor, ref["drift"].get(name, 0.0), name, case.steps)
