@@ -38,7 +38,6 @@ from hf_zero.estimator import (
     DEFAULT_SUB_GROUP_SIZE,
     PRECISIONS,
     EstimatorError,
-    load_model_spec,
     estimate,
     parse_param_count,
     render_report,
@@ -235,11 +234,7 @@ def _plan(args: argparse.Namespace, est) -> tuple[str, list[dict]]:
     for flag in ("intra_node_bandwidth", "inter_node_bandwidth", "tflops"):
         if not getattr(args, flag) > 0:
             raise EstimatorError(f"--{flag} must be positive, got {getattr(args, flag)}")
-    spec = est.model if est.model.fsdp_units else load_model_spec(
-        args.model, hidden_size=args.hidden_size, num_layers=args.num_layers, num_heads=args.num_heads,
-        vocab_size=args.vocab_size, intermediate_size=args.intermediate_size, num_kv_heads=args.num_kv_heads,
-        trust_remote_code=args.trust_remote_code)
-    work = workload(spec, dtype=args.dtype, gas=args.gradient_accumulation_steps,
+    work = workload(est.model, dtype=args.dtype, gas=args.gradient_accumulation_steps,
                     tokens_per_gpu=args.micro_batch_size * args.seq_len * args.gradient_accumulation_steps,
                     lora_rank=args.lora_rank, lora_target_modules=_targets(args.lora_target_modules),
                     gradient_checkpointing=args.gradient_checkpointing, reduce_dtype=args.communication_data_type)
