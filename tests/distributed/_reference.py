@@ -13,7 +13,7 @@ import torch
 from torch.func import functional_call
 
 from _cases import LR, Case
-from _drift_bound import adam_step_drift, gradient_noise
+from _drift_bound import adam_step_drift, assert_within, gradient_noise
 from _models import make_data, tiny_model
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -29,6 +29,20 @@ def update_deviation(state: dict, ref: dict) -> float:
     num = sum(float(((state[k] - ref["final_state"][k]) ** 2).sum()) for k in ref["final_state"])
     den = sum(float(((ref["final_state"][k] - ref["initial_state"][k]) ** 2).sum()) for k in ref["final_state"])
     return (num / den) ** 0.5
+
+
+def assert_matches_reference(got: dict, ref: dict, case: Case) -> None:
+    """A run's losses, gradient norms and final weights (``parity_worker``'s result) against the
+    reference's, to :data:`TOLERANCE`; fp32 weights entry by entry within the drift bound."""
+    loss_rtol, norm_rtol, weight_tol = TOLERANCE[case.dtype]
+    torch.testing.assert_close(got["losses"], ref["losses"], rtol=loss_rtol, atol=0)
+    torch.testing.assert_close(got["grad_norms"], ref["grad_norms"], rtol=norm_rtol, atol=0)
+    assert set(got["final_state"]) == set(ref["final_state"])
+    assert update_deviation(got["final_state"], ref) < weight_tol
+    if case.dtype == "fp32":  # entry by entry, within what reduction order explains (_drift_bound.py)
+        for name, tensor in ref["final_state"].items():
+            assert_within(got["final_state"][name], tensor, ref["drift"].get(name, 0.0), name, case.steps)
+    assert all(r["sharding"]["global_steps"] == case.steps for r in got["ranks"])
 
 
 def reference_run(case: Case, world: int = 2) -> dict:
