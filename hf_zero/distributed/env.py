@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from hf_zero.distributed import device as accel
-from hf_zero.distributed.teardown import register_exit_teardown, teardown
+from hf_zero.distributed.teardown import register_exit_quiesce, register_exit_teardown, teardown
 
 __all__ = ["DistEnv", "init_distributed", "launched_by_torchrun", "exit_cleanly"]
 
@@ -78,6 +78,9 @@ def init_distributed(timeout_s: float = 1800.0) -> DistEnv:
         # ("cpu:gloo,cuda:nccl", reported as "undefined"), so the device follows CUDA availability.
         backend = str(dist.get_backend())
         rank_device = torch.device("cpu") if backend == "gloo" else _pick_device(local_rank)
+        # Not ours to destroy, but at exit hf_zero's engines are closed and gloo's workers left
+        # parked, so that they do not abort the process during finalization (teardown.py).
+        register_exit_quiesce()
     return DistEnv(
         rank=dist.get_rank(),
         world_size=dist.get_world_size(),

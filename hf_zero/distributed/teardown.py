@@ -25,6 +25,10 @@ after the handlers the user registered later, while the interpreter still works.
 4. waits until every gloo worker thread that is still alive (its group is referenced by an object
    the user keeps) is parked on its work queue, so none of them takes the GIL again.
 
+A group someone else made (accelerate's, when a Trainer script runs under a plain ``torchrun``)
+is not hf_zero's to destroy: :func:`quiesce`, registered when hf_zero finds such a group, runs steps
+1 and 4 only.
+
 Nothing here calls ``os._exit``: the script's exit status, the remaining ``atexit`` handlers
 (``logging``'s flush among them) and the interpreter's own clean-up are kept.
 """
@@ -44,7 +48,8 @@ from typing import Protocol
 
 import torch.distributed as dist
 
-__all__ = ["close_at_exit", "register_exit_teardown", "teardown", "wait_for_idle_gloo_workers"]
+__all__ = ["close_at_exit", "quiesce", "register_exit_quiesce", "register_exit_teardown", "teardown",
+           "wait_for_idle_gloo_workers"]
 
 _GLOO_WORKER_NAME = "pt_gloo_runloop"
 """What torch names a gloo backend's worker threads (``/proc/<pid>/task/<tid>/comm``)."""
@@ -66,6 +71,7 @@ class _Closable(Protocol):
 
 _OWNED: weakref.WeakSet = weakref.WeakSet()
 _REGISTERED = False
+_QUIESCE_REGISTERED = False
 _REGISTER_LOCK = threading.Lock()
 
 
@@ -88,6 +94,36 @@ def register_exit_teardown() -> None:
             atexit.register(teardown)
 
 
+def register_exit_quiesce() -> None:
+    """Run :func:`quiesce` at interpreter exit (once): for a group someone else made (accelerate
+    under a plain ``torchrun`` launch of a Trainer script, the user), which hf_zero does not
+    destroy. A no-op where :func:`register_exit_teardown` already ran (the teardown does more)."""
+    global _QUIESCE_REGISTERED
+    with _REGISTER_LOCK:
+        if not _QUIESCE_REGISTERED and not _REGISTERED:
+            _QUIESCE_REGISTERED = True
+            atexit.register(quiesce)
+
+
+def quiesce(idle_timeout_s: float = _IDLE_TIMEOUT_S) -> None:
+    """Close hf_zero's engines (their offload threads) and wait until every gloo worker thread is
+    parked on its work queue, leaving the groups to whoever made them: steps 1 and 4 of
+    :func:`teardown`, the ones that keep a worker from taking the GIL during finalization."""
+    if _REGISTERED:  # the full teardown runs (or ran) instead
+        return
+    _close_owned()
+    wait_for_idle_gloo_workers(idle_timeout_s)
+
+
+def _close_owned() -> None:
+    for obj in list(_OWNED):
+        try:
+            obj.close()
+        except Exception:
+            pass
+    _OWNED.clear()
+
+
 def teardown(idle_timeout_s: float = _IDLE_TIMEOUT_S) -> None:
     """Close hf_zero's engines, destroy the process groups and make sure no gloo worker thread
     is left mid-work; safe to call more than once and when no group exists.
@@ -95,12 +131,7 @@ def teardown(idle_timeout_s: float = _IDLE_TIMEOUT_S) -> None:
     Every step is guarded: at exit, a step that fails must not keep the next ones from running
     (nor change the script's exit status).
     """
-    for obj in list(_OWNED):
-        try:
-            obj.close()
-        except Exception:
-            pass
-    _OWNED.clear()
+    _close_owned()
     if dist.is_available() and dist.is_initialized():
         try:
             dist.destroy_process_group()

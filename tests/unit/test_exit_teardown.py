@@ -98,3 +98,46 @@ def test_threads_of_a_group_the_user_keeps_are_found_parked():
 )
 def test_parked_means_an_untimed_condition_wait(line, parked):
     assert teardown._is_untimed_condition_wait(line.split(), 202) is parked
+
+
+_FOREIGN_GROUP = textwrap.dedent("""
+    import atexit, json
+    import torch, torch.distributed as dist
+    registered = []
+    real_register = atexit.register
+    atexit.register = lambda fn, *a, **k: (registered.append(fn.__name__), real_register(fn, *a, **k))[1]
+    # The group made by someone else (accelerate's PartialState under a plain torchrun launch).
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    from hf_zero.distributed.env import init_distributed
+    from hf_zero.distributed import teardown
+
+    class Engine:
+        closed = False
+        def close(self):
+            Engine.closed = True
+
+    engine = Engine()
+    init_distributed()
+    teardown.close_at_exit(engine)
+    dist.broadcast(torch.ones(3), 0, async_op=True).wait()
+    teardown.quiesce(1.0)
+    print(json.dumps({"registered": registered, "closed": Engine.closed, "initialized": dist.is_initialized(),
+                      "parked": teardown.wait_for_idle_gloo_workers(1.0)}))
+""")
+
+
+@needs_proc
+@names_gloo_threads
+def test_a_group_hf_zero_did_not_make_is_left_alive_but_quiet_at_exit():
+    """Under a Trainer launched with plain torchrun, accelerate makes the group: hf_zero does not
+    destroy it at exit, but closes its engines and leaves gloo's workers parked (teardown.quiesce)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(var, None)
+    proc = subprocess.run([sys.executable, "-c", _FOREIGN_GROUP], capture_output=True, text=True, timeout=120,
+                          env=env, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["registered"] == ["quiesce"]  # not teardown: the group is not hf_zero's
+    assert result["closed"] and result["initialized"] and result["parked"]
